@@ -1,0 +1,99 @@
+"""One EngineConfig, validated once; the CLI and the LLM class map onto it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass
+class EngineConfig:
+    """Every engine knob, with vLLM's names and defaults. Fields the model decides stay None until resolved."""
+
+    model: Optional[str] = None  # HF folder, .gguf file, or None for the default SmolLM2
+    served_model_name: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    max_model_len: Optional[int] = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    kv_cache_space: float = 4.0  # GiB of KV cache on CPU
+    num_gpu_blocks_override: Optional[int] = None
+    num_cpu_blocks_override: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: bool = False
+    preemption_mode: Optional[PreemptionMode] = None  # None: recompute for one seq, swap for several
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    watermark: float = 0.01
+    max_logprobs: int = 20
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.preemption_mode, str):
+            self.preemption_mode = PreemptionMode(self.preemption_mode)
+        if isinstance(self.scheduling_policy, str):
+            self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
+        checks = [
+            ("block_size", self.block_size in (8, 16, 32), "must be 8, 16 or 32"),
+            ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
+            ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
+            ("load_format", self.load_format in ("auto", "safetensors", "gguf", "dummy"), "must be auto, safetensors, gguf or dummy"),
+            ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
+            ("swap_space", self.swap_space >= 0, "must be >= 0"),
+            ("kv_cache_space", self.kv_cache_space > 0, "must be > 0"),
+            ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
+            ("max_logprobs", self.max_logprobs >= 0, "must be >= 0"),
+            ("watermark", 0.0 <= self.watermark < 1.0, "must be in [0, 1)"),
+            ("tensor_parallel_size", self.tensor_parallel_size == 1, "only 1 is supported"),
+        ]
+        for name, ok, msg in checks:
+            if not ok:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
+        for name in ("num_gpu_blocks_override", "num_cpu_blocks_override", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1 and not (name == "num_cpu_blocks_override" and value == 0):
+                raise ValueError(f"{name} must be positive, got {value}.")
+
+    @property
+    def model_name(self) -> str:
+        """The id clients use in the `model` field."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return DEFAULT_MODEL_ID
+        return self.model.rstrip("/").split("/")[-1]
+
+    def resolve(self, model_max_len: int) -> None:
+        """Fill the fields the model decides, and check them against each other."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}): a full-length prompt could never be scheduled. "
+                "Raise --max-num-batched-tokens or lower --max-model-len."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})."
+            )

@@ -1,0 +1,110 @@
+"""Sampling parameters of one request, validated once (OpenAI / vLLM ranges)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request. Raises ValueError naming the field."""
+
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    logit_bias: Optional[dict[int, float]] = None
+    max_logprobs: int = field(default=20, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+        if self.temperature < _EPS and not self.use_beam_search:
+            # Greedy: sampling knobs are meaningless, normalise them.
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _EPS and not self.use_beam_search
+
+    def _verify(self) -> None:
+        def fail(name: str, msg: str) -> None:
+            raise ValueError(f"{name} {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", f"must be at least 1, got {self.n}.")
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            fail("best_of", f"must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                fail(name, f"must be in [-2, 2], got {value}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}.")
+        if not 0.0 <= self.temperature <= 2.0:
+            fail("temperature", f"must be in [0, 2], got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+            fail("top_k", f"must be -1 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            fail("seed", f"must be an integer, got {self.seed!r}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            fail("max_tokens", f"must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            fail("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= self.max_logprobs:
+                fail(name, f"must be in [0, {self.max_logprobs}], got {value}.")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            fail("stop", "cannot contain an empty string.")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers.")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            fail("logit_bias", "values must be in [-100, 100].")
+        if self.use_beam_search:
+            if self.best_of == 1:
+                fail("best_of", "must be greater than 1 when using beam search.")
+            if self.temperature > _EPS:
+                fail("temperature", "must be 0 when using beam search.")
+            if self.top_p < 1.0 - _EPS or self.top_k != -1 or self.min_p > _EPS:
+                fail("top_p", "top_p, top_k and min_p must be disabled when using beam search.")
+            if self.early_stopping not in (True, False, "never"):
+                fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}.")
+        elif self.greedy and self.best_of > 1:
+            fail("best_of", f"must be 1 when using greedy sampling (temperature 0), got {self.best_of}.")

@@ -1,0 +1,1 @@
+"""pagedserve's OpenAI-compatible HTTP server."""
