@@ -1,0 +1,250 @@
+"""Block tables of sequences over the device KV cache and the host swap pool; pure Python over ints.
+
+The manager never touches tensors: it returns {src: dst} mappings and (src, dst)
+copy-on-write pairs, and the cache engine moves the bytes.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+from engine.block_allocator import NO_PREFIX_HASH, BlockAllocator, BlockHash, hash_block
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BlockTable = list[int]
+
+
+class AllocStatus(enum.Enum):
+    """Whether a group's blocks fit: now, after others finish, or never (even in an empty cache)."""
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+class BlockSpaceManager:
+    """Maps each sequence's logical blocks to physical blocks, with ref counts, COW, swap and prefix caching."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        # Blocks kept free at admission so running sequences can grow without preempting at once.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu = BlockAllocator(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu = BlockAllocator(num_cpu_blocks)
+        self.block_tables: dict[int, BlockTable] = {}  # seq_id -> device blocks
+        self.cpu_block_tables: dict[int, BlockTable] = {}  # seq_id -> swap blocks, while SWAPPED
+        # seq_id -> chained hashes of its leading full, computed blocks (prefix caching only).
+        self._seq_hashes: dict[int, list[BlockHash]] = {}
+        self._num_queried_blocks = 0
+        self._num_hit_blocks = 0
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission -----------------------------------------------------------------
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        num_required = sum(self._blocks_for(seq.get_len()) for seq in seqs)
+        if self.num_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        num_taken_from_free = num_required
+        if self.enable_prefix_caching:
+            revived: set[int] = set()  # cached blocks that leave the evictor, counted once
+            for seq in seqs:
+                _, hit_blocks = self._find_cached_prefix(seq)
+                num_taken_from_free -= len(hit_blocks)
+                revived.update(b for b in hit_blocks if self.gpu.ref_count(b) == 0)
+            num_taken_from_free += len(revived)
+        if self.gpu.num_free() - num_taken_from_free < self.watermark_blocks:
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Blocks for all get_len() tokens of each WAITING sequence; prefix-cache hits set num_computed_tokens."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        # Take every cache hit before allocating fresh blocks, which could evict a block a sibling would hit.
+        for seq in seqs:
+            assert seq.seq_id not in self.block_tables, f"{seq} already has blocks"
+            hashes: list[BlockHash] = []
+            table: BlockTable = []
+            if self.enable_prefix_caching:
+                hashes, table = self._find_cached_prefix(seq)
+                for block in table:
+                    self.gpu.take_cached(block)
+                self._num_queried_blocks += (seq.get_len() - 1) // self.block_size
+                self._num_hit_blocks += len(table)
+            self.block_tables[seq.seq_id] = table
+            self._seq_hashes[seq.seq_id] = hashes
+            seq.num_computed_tokens = len(hashes) * self.block_size
+        for seq in seqs:
+            table = self.block_tables[seq.seq_id]
+            table.extend(self.gpu.allocate() for _ in range(self._blocks_for(seq.get_len()) - len(table)))
+
+    def _find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockHash], list[int]]:
+        """Hashes and blocks of the longest cached run of leading full blocks.
+
+        The block holding the last token is never reused: at least one token must
+        be computed to get logits, and its K/V must go to a block nobody shares.
+        """
+        token_ids = seq.all_token_ids
+        size = self.block_size
+        hashes: list[BlockHash] = []
+        blocks: list[int] = []
+        prefix_hash = NO_PREFIX_HASH
+        for i in range((len(token_ids) - 1) // size):
+            chunk = tuple(token_ids[i * size:(i + 1) * size])
+            prefix_hash = hash_block(prefix_hash, chunk)
+            block = self.gpu.lookup(prefix_hash, chunk)
+            if block is None:
+                break
+            hashes.append(prefix_hash)
+            blocks.append(block)
+        return hashes, blocks
+
+    # -- decoding ------------------------------------------------------------------
+
+    def _needs_cow(self, seq: Sequence, table: BlockTable) -> bool:
+        # The next forward writes from token num_computed_tokens on; a shared block there must be copied first.
+        first_written = seq.num_computed_tokens // self.block_size
+        return first_written < len(table) and self.gpu.ref_count(table[first_written]) > 1
+
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        num_required = 0
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            table = self.block_tables[seq.seq_id]
+            num_required += self._blocks_for(seq.get_len()) - len(table) + self._needs_cow(seq, table)
+        return num_required <= self.gpu.num_free()
+
+    def append_slots(self, seq: Sequence) -> Optional[tuple[int, int]]:
+        """Grow the table to cover get_len() tokens; returns the (src, dst) copy when the written block was shared."""
+        table = self.block_tables[seq.seq_id]
+        cow = None
+        if self._needs_cow(seq, table):
+            index = seq.num_computed_tokens // self.block_size
+            src, dst = table[index], self.gpu.allocate()
+            self.gpu.free(src)  # still held by the siblings that share it
+            table[index] = dst
+            cow = (src, dst)
+        for _ in range(self._blocks_for(seq.get_len()) - len(table)):
+            table.append(self.gpu.allocate())
+        return cow
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; the first write to a shared block copies it."""
+        table = self.block_tables[parent.seq_id]
+        for block in table:
+            self.gpu.incref(block)
+        self.block_tables[child.seq_id] = list(table)
+        self._seq_hashes[child.seq_id] = list(self._seq_hashes.get(parent.seq_id, ()))
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of the sequence, wherever it lives. Freeing twice is harmless."""
+        self._seq_hashes.pop(seq.seq_id, None)
+        for tables, allocator in ((self.block_tables, self.gpu), (self.cpu_block_tables, self.cpu)):
+            table = tables.pop(seq.seq_id, None)
+            # Tail first: the evictor then drops a chain's tail before its head, which more prompts share.
+            for block in reversed(table or ()):
+                allocator.free(block)
+
+    def get_block_table(self, seq: Sequence) -> BlockTable:
+        return self.block_tables[seq.seq_id]
+
+    # -- swapping ------------------------------------------------------------------
+
+    def _unique_blocks(self, tables: dict[int, BlockTable], seqs: list[Sequence]) -> int:
+        return len({block for seq in seqs for block in tables[seq.seq_id]})
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        return self._unique_blocks(self.block_tables, running) <= self.cpu.num_free()
+
+    def swap_out(self, group: SequenceGroup) -> dict[int, int]:
+        """Move the RUNNING sequences' blocks to the swap pool; returns {gpu_block: cpu_block}."""
+        mapping = self._move(group.get_seqs(SequenceStatus.RUNNING), self.block_tables, self.gpu,
+                             self.cpu_block_tables, self.cpu)
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            # The device blocks change on the way back; mark_blocks_as_computed re-registers them then.
+            self._seq_hashes[seq.seq_id] = []
+        return mapping
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        swapped = group.get_seqs(SequenceStatus.SWAPPED)
+        # One extra block per sequence: each appends a slot (or copies a shared block) right after.
+        num_required = self._unique_blocks(self.cpu_block_tables, swapped) + len(swapped)
+        if self.num_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu.num_free() - num_required < self.watermark_blocks:
+            return AllocStatus.LATER
+        return AllocStatus.OK
+
+    def swap_in(self, group: SequenceGroup) -> dict[int, int]:
+        """Bring the SWAPPED sequences' blocks back to the device; returns {cpu_block: gpu_block}."""
+        return self._move(group.get_seqs(SequenceStatus.SWAPPED), self.cpu_block_tables, self.cpu,
+                          self.block_tables, self.gpu)
+
+    @staticmethod
+    def _move(seqs: list[Sequence], src_tables: dict[int, BlockTable], src: BlockAllocator,
+              dst_tables: dict[int, BlockTable], dst: BlockAllocator) -> dict[int, int]:
+        # A block shared by siblings moves once and stays shared, with the same ref count, on the other side.
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            new_table = []
+            for block in src_tables.pop(seq.seq_id):
+                if block in mapping:
+                    dst.incref(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                new_table.append(mapping[block])
+                src.free(block)
+            dst_tables[seq.seq_id] = new_table
+        return mapping
+
+    # -- prefix cache --------------------------------------------------------------
+
+    def mark_blocks_as_computed(self, group: SequenceGroup) -> None:
+        """After a forward: full blocks whose K/V are now computed become findable by later prompts."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            hashes = self._seq_hashes[seq.seq_id]
+            num_full = seq.num_computed_tokens // size
+            if len(hashes) >= num_full:
+                continue  # the common decode step: no block filled up
+            token_ids = seq.all_token_ids
+            table = self.block_tables[seq.seq_id]
+            prefix_hash = hashes[-1] if hashes else NO_PREFIX_HASH
+            for i in range(len(hashes), num_full):
+                chunk = tuple(token_ids[i * size:(i + 1) * size])
+                prefix_hash = hash_block(prefix_hash, chunk)
+                hashes.append(prefix_hash)
+                self.gpu.register(table[i], prefix_hash, chunk)
+
+    # -- figures -------------------------------------------------------------------
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu.num_free()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu.num_free()
+
+    def gpu_usage(self) -> float:
+        return 1.0 - self.gpu.num_free() / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+
+    def cpu_usage(self) -> float:
+        return 1.0 - self.cpu.num_free() / self.num_cpu_blocks if self.num_cpu_blocks else 0.0
+
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of the full prompt blocks looked up at admission that were found in the cache."""
+        return self._num_hit_blocks / self._num_queried_blocks if self._num_queried_blocks else 0.0

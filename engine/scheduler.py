@@ -1,0 +1,271 @@
+"""The three queues (waiting, running, swapped), the step budget and preemption; pure Python, no torch."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple, Union
+
+from engine.block_manager import AllocStatus, BlockSpaceManager
+from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class ScheduledGroup(NamedTuple):
+    """A group that runs this step; the model computes tokens [num_computed_tokens, get_len()) of its RUNNING seqs."""
+
+    group: SequenceGroup
+    is_prefill: bool
+    num_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs, and the cache operations to apply first: swap out, swap in, copy."""
+
+    scheduled: list[ScheduledGroup] = field(default_factory=list)
+    # seq_id -> its live block table; read it before the next schedule() call.
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # gpu block -> cpu block
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # cpu block -> gpu block
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the device
+    # Groups ended at schedule time, status set and `error` a sentence for the client.
+    ignored: list[SequenceGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_preempted_recompute: int = 0
+    num_preempted_swap: int = 0
+
+    def is_empty(self) -> bool:
+        """Nothing to run and no cache bytes to move (a lone group can swap itself out and run nothing)."""
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+
+class Scheduler:
+    """Decides each step which groups prefill, which decode, and which are preempted by recompute or swap."""
+
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        if config.max_model_len is None or config.max_num_batched_tokens is None:
+            raise ValueError("EngineConfig.resolve() must run before the Scheduler is built.")
+        self.max_model_len = config.max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.preemption_mode = config.preemption_mode
+        self.policy = config.scheduling_policy
+        self.block_manager = BlockSpaceManager(
+            config.block_size, num_gpu_blocks, num_cpu_blocks, config.watermark, config.enable_prefix_caching
+        )
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+
+    # -- requests ------------------------------------------------------------------
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def abort_seq_group(self, request_ids: Union[str, Iterable[str]]) -> list[SequenceGroup]:
+        """End the groups with these ids in whichever queue they are, freeing every block."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        aborted: list[SequenceGroup] = []
+        for name in ("waiting", "running", "swapped"):
+            kept: deque[SequenceGroup] = deque()
+            for group in getattr(self, name):
+                if group.request_id in ids:
+                    self._finish(group, SequenceStatus.FINISHED_ABORTED)
+                    aborted.append(group)
+                else:
+                    kept.append(group)
+            setattr(self, name, kept)
+        return aborted
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # -- the step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.policy is SchedulingPolicy.PRIORITY:
+            for name in ("waiting", "running", "swapped"):
+                setattr(self, name, deque(sorted(getattr(self, name), key=_priority_key)))
+        # Swapped groups arrived before anything still waiting: no new prefills until they are back.
+        if not self.swapped:
+            self._schedule_prefills(out)
+        if not out.scheduled:
+            preempted = self._schedule_decodes(out)
+            if not preempted:
+                self._schedule_swapped(out)
+        now = time.monotonic()
+        for group, _, num_tokens in out.scheduled:
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                out.block_tables[seq.seq_id] = self.block_manager.get_block_table(seq)
+            out.num_batched_tokens += num_tokens
+        return out
+
+    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+        token_budget = self.max_num_batched_tokens
+        num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
+        prompt_limit = min(self.max_model_len, self.max_num_batched_tokens)
+        while self.waiting:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # before prefix-cache hits
+            group_seqs = group.get_max_num_running_seqs()
+            longest = max(seq.get_len() for seq in seqs)
+            if longest > prompt_limit:
+                self._ignore(group, out, f"Input prompt ({longest} tokens) is too long and exceeds the limit of {prompt_limit} tokens.")
+                continue
+            if num_tokens > self.max_num_batched_tokens or group_seqs > self.max_num_seqs:
+                self._ignore(group, out, f"The request needs {num_tokens} tokens in {group_seqs} sequences in one step, more "
+                             f"than --max-num-batched-tokens ({self.max_num_batched_tokens}) or --max-num-seqs "
+                             f"({self.max_num_seqs}) allow.")
+                continue
+            status = self.block_manager.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                bm = self.block_manager
+                needed = sum(-(-seq.get_len() // bm.block_size) for seq in seqs)
+                self._ignore(group, out, f"The request ({longest} tokens) needs {needed} KV cache blocks of "
+                             f"{bm.block_size} tokens, but the cache has {bm.num_gpu_blocks} (less the watermark of "
+                             f"{bm.watermark_blocks}): it can never run. Give the KV cache more memory "
+                             "(--gpu-memory-utilization, --kv-cache-space) or send a shorter prompt.")
+                continue
+            if status is AllocStatus.LATER or num_tokens > token_budget or num_seqs + group_seqs > self.max_num_seqs:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # after prefix-cache hits
+            out.scheduled.append(ScheduledGroup(group, True, num_tokens))
+            token_budget -= num_tokens
+            num_seqs += group_seqs
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> bool:
+        """One more token for each running group, preempting the latest arrivals when blocks run out."""
+        bm = self.block_manager
+        preempted = False
+        queue, self.running = self.running, deque()
+        while queue:
+            group = queue.popleft()
+            if group.is_finished():
+                self._finish(group, SequenceStatus.FINISHED_ABORTED)  # frees what the engine left; statuses stay
+                continue
+            while not bm.can_append_slots(group):
+                victim = queue.pop() if queue else group
+                self._preempt(victim, out)
+                preempted = True
+                if victim is group:
+                    break
+            else:
+                self._append_slots(group, out)
+                self.running.append(group)
+        return preempted
+
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
+        while self.swapped:
+            group = self.swapped[0]
+            status = bm.can_swap_in(group)
+            if status is AllocStatus.NEVER:
+                needed = len(group.get_seqs(SequenceStatus.SWAPPED))
+                self._ignore(group, out, f"The request was swapped out and its {needed} sequences no longer fit in the "
+                             f"KV cache ({bm.num_gpu_blocks} blocks) to resume. Give the KV cache more memory "
+                             "(--gpu-memory-utilization, --kv-cache-space) or ask for fewer sequences (n, best_of).",
+                             queue=self.swapped, status=SequenceStatus.FINISHED_ERROR)
+                continue
+            group_seqs = group.get_max_num_running_seqs()
+            if status is AllocStatus.LATER or num_seqs + group_seqs > self.max_num_seqs:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.update(bm.swap_in(group))
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._append_slots(group, out)
+            self.running.append(group)
+            num_seqs += group_seqs
+
+    def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        num_tokens = 0
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            cow = self.block_manager.append_slots(seq)
+            if cow is not None:
+                out.blocks_to_copy.append(cow)
+            num_tokens += seq.num_uncomputed_tokens()
+        out.scheduled.append(ScheduledGroup(group, False, num_tokens))
+
+    # -- preemption ----------------------------------------------------------------
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        mode = self.preemption_mode
+        if mode is None:
+            # One sequence: recomputing its prompt is cheap. Several: their diverged outputs are worth keeping.
+            mode = PreemptionMode.RECOMPUTE if group.get_max_num_running_seqs() == 1 else PreemptionMode.SWAP
+        if mode is PreemptionMode.RECOMPUTE:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+            # Victims leave latest-first, so pushing each to the front keeps waiting in arrival order.
+            self.waiting.appendleft(group)
+            out.num_preempted_recompute += 1
+            return
+        bm = self.block_manager
+        if not bm.can_swap_out(group):
+            # vLLM dies here; ending this one request keeps every other one served.
+            self._finish(group, SequenceStatus.FINISHED_ERROR)
+            group.error = (f"Out of host swap space: the request was preempted and its KV blocks do not fit in the "
+                           f"{bm.get_num_free_cpu_blocks()} free swap blocks. Raise --swap-space.")
+            out.ignored.append(group)
+            return
+        out.blocks_to_swap_out.update(bm.swap_out(group))
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            seq.status = SequenceStatus.SWAPPED
+        self.swapped.appendleft(group)
+        out.num_preempted_swap += 1
+
+    def _ignore(self, group: SequenceGroup, out: SchedulerOutput, error: str,
+                queue: deque | None = None, status: SequenceStatus | None = None) -> None:
+        """End the group at the head of `queue` (default: waiting) with an error the client will read."""
+        (self.waiting if queue is None else queue).popleft()
+        if status is None:
+            # A bare prompt was never admitted; a recomputed one had produced tokens already.
+            has_output = any(seq.get_output_len() for seq in group.seqs)
+            status = SequenceStatus.FINISHED_ERROR if has_output else SequenceStatus.FINISHED_IGNORED
+        self._finish(group, status)
+        group.error = error
+        out.ignored.append(group)
+
+    def _finish(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        for seq in group.seqs:
+            if not seq.is_finished():
+                seq.status = status
+            self.block_manager.free(seq)
+
+    # -- after the forward -----------------------------------------------------------
+
+    def update_computed(self, out: SchedulerOutput) -> None:
+        """Call right after the forward, before new tokens are appended: what ran now has K/V in the cache."""
+        for group, _, _ in out.scheduled:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.num_computed_tokens = seq.get_len()
+            self.block_manager.mark_blocks_as_computed(group)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.block_manager.fork(parent, child)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> None:
+        self.running = deque(group for group in self.running if not group.is_finished())
+
+
+def _priority_key(group: SequenceGroup) -> tuple[int, float]:
+    # Lower value first, as in vLLM; ties in arrival order.
+    return (group.priority, group.arrival_time)
