@@ -56,8 +56,6 @@ class BlockSpaceManager:
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         seqs = group.get_seqs(SequenceStatus.WAITING)
         num_required = sum(self._blocks_for(seq.get_len()) for seq in seqs)
-        if self.num_gpu_blocks - num_required < self.watermark_blocks:
-            return AllocStatus.NEVER
         num_taken_from_free = num_required
         if self.enable_prefix_caching:
             revived: set[int] = set()  # cached blocks that leave the evictor, counted once
@@ -66,9 +64,12 @@ class BlockSpaceManager:
                 num_taken_from_free -= len(hit_blocks)
                 revived.update(b for b in hit_blocks if self.gpu.ref_count(b) == 0)
             num_taken_from_free += len(revived)
-        if self.gpu.num_free() - num_taken_from_free < self.watermark_blocks:
-            return AllocStatus.LATER
-        return AllocStatus.OK
+        if self.gpu.num_free() - num_taken_from_free >= self.watermark_blocks:
+            return AllocStatus.OK
+        # Never: it would not fit even in an empty cache, where nothing is cached to share.
+        if self.num_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.LATER
 
     def allocate(self, group: SequenceGroup) -> None:
         """Blocks for all get_len() tokens of each WAITING sequence; prefix-cache hits set num_computed_tokens."""

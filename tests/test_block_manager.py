@@ -1,0 +1,244 @@
+"""Block manager: exact free-block counts, copy-on-write, swap, prefix cache (hash chain, reuse, LRU eviction)."""
+from collections import Counter
+
+import pytest
+
+from engine.block_manager import AllocStatus, BlockSpaceManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BS = 4
+
+
+def make_group(request_id: str, prompt: list[int], seq_id: int, best_of: int = 1) -> SequenceGroup:
+    params = SamplingParams(n=1, best_of=best_of, temperature=1.0)
+    return SequenceGroup(request_id, [Sequence(seq_id, list(prompt))], params)
+
+
+def run(group: SequenceGroup) -> None:
+    for seq in group.seqs:
+        seq.status = SequenceStatus.RUNNING
+
+
+def computed(bm: BlockSpaceManager, group: SequenceGroup) -> None:
+    """What the scheduler does after a forward."""
+    for seq in group.get_seqs(SequenceStatus.RUNNING):
+        seq.num_computed_tokens = seq.get_len()
+    bm.mark_blocks_as_computed(group)
+
+
+def assert_ref_counts_match_tables(bm: BlockSpaceManager) -> None:
+    for tables, alloc in ((bm.block_tables, bm.gpu), (bm.cpu_block_tables, bm.cpu)):
+        uses = Counter(b for table in tables.values() for b in table)
+        for block in range(alloc.num_blocks):
+            assert alloc.ref_count(block) == uses[block], f"block {block}"
+        assert alloc.num_free() == alloc.num_blocks - len(uses)
+
+
+def test_allocate_counts_blocks_and_free_returns_them():
+    bm = BlockSpaceManager(BS, num_gpu_blocks=10, num_cpu_blocks=4, watermark=0.0)
+    group = make_group("a", list(range(9)), seq_id=0)  # 9 tokens -> 3 blocks
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    assert len(bm.get_block_table(group.seqs[0])) == 3
+    assert bm.get_num_free_gpu_blocks() == 7
+    assert bm.gpu_usage() == pytest.approx(0.3)
+    bm.free(group.seqs[0])
+    bm.free(group.seqs[0])  # twice is harmless
+    assert bm.get_num_free_gpu_blocks() == 10
+    assert_ref_counts_match_tables(bm)
+
+
+def test_can_allocate_watermark_later_and_never():
+    bm = BlockSpaceManager(BS, num_gpu_blocks=10, num_cpu_blocks=0, watermark=0.2)  # keeps 2 blocks free
+    assert bm.can_allocate(make_group("big", list(range(33)), 0)) is AllocStatus.NEVER  # 9 > 10 - 2
+    assert bm.can_allocate(make_group("fits", list(range(32)), 1)) is AllocStatus.OK  # 8 == 10 - 2
+    first = make_group("first", list(range(20)), 2)  # 5 blocks
+    bm.allocate(first)
+    assert bm.can_allocate(make_group("four", list(range(13)), 3)) is AllocStatus.LATER  # 5 - 4 < 2
+    assert bm.can_allocate(make_group("three", list(range(12)), 4)) is AllocStatus.OK  # 5 - 3 == 2
+
+
+def test_append_slots_grows_one_block_at_the_boundary():
+    bm = BlockSpaceManager(BS, 10, 0, watermark=0.0)
+    group = make_group("a", [1, 2, 3, 4], 0)
+    bm.allocate(group)
+    run(group)
+    seq = group.seqs[0]
+    computed(bm, group)
+    seq.append_token(5, {5: 0.0})
+    assert bm.can_append_slots(group)
+    assert bm.append_slots(seq) is None
+    assert len(bm.get_block_table(seq)) == 2
+    assert bm.get_num_free_gpu_blocks() == 8
+    computed(bm, group)
+    seq.append_token(6, {6: 0.0})
+    assert bm.append_slots(seq) is None  # room left in block 2
+    assert bm.get_num_free_gpu_blocks() == 8
+
+
+def test_fork_then_append_costs_exactly_one_block_with_a_copy():
+    bm = BlockSpaceManager(BS, 10, 0, watermark=0.0)
+    group = make_group("a", [1, 2, 3, 4, 5, 6], 0, best_of=2)  # 2 blocks, the last half full
+    bm.allocate(group)
+    run(group)
+    computed(bm, group)
+    parent = group.seqs[0]
+    child = parent.fork(1)
+    group.add(child)
+    bm.fork(parent, child)
+    assert bm.get_num_free_gpu_blocks() == 8  # sharing costs nothing
+    parent.append_token(7, {7: 0.0})
+    child.append_token(8, {8: 0.0})
+    shared_last = bm.get_block_table(parent)[-1]
+    cow = bm.append_slots(parent)
+    assert cow is not None and cow[0] == shared_last and cow[1] != shared_last
+    assert bm.append_slots(child) is None  # the sibling now owns the old block alone
+    assert bm.get_num_free_gpu_blocks() == 7
+    assert bm.get_block_table(parent)[0] == bm.get_block_table(child)[0]  # the full first block stays shared
+    assert bm.get_block_table(parent)[-1] == cow[1] and bm.get_block_table(child)[-1] == shared_last
+    assert_ref_counts_match_tables(bm)
+    for seq in group.seqs:
+        bm.free(seq)
+    assert bm.get_num_free_gpu_blocks() == 10
+
+
+def test_swap_out_and_in_move_free_counts_by_the_table_length():
+    bm = BlockSpaceManager(BS, 10, 6, watermark=0.0)
+    group = make_group("a", list(range(10)), 0, best_of=2)  # 3 blocks
+    bm.allocate(group)
+    run(group)
+    computed(bm, group)
+    child = group.seqs[0].fork(1)
+    group.add(child)
+    bm.fork(group.seqs[0], child)
+    assert bm.can_swap_out(group)
+    out_map = bm.swap_out(group)
+    assert len(out_map) == 3  # shared blocks move once
+    assert bm.get_num_free_gpu_blocks() == 10 and bm.get_num_free_cpu_blocks() == 3
+    assert bm.cpu_usage() == pytest.approx(0.5)
+    for seq in group.seqs:
+        seq.status = SequenceStatus.SWAPPED
+    assert_ref_counts_match_tables(bm)  # both siblings hold each cpu block: ref count 2
+    assert bm.can_swap_in(group) is AllocStatus.OK
+    in_map = bm.swap_in(group)
+    assert sorted(in_map) == sorted(out_map.values())
+    assert bm.get_num_free_gpu_blocks() == 7 and bm.get_num_free_cpu_blocks() == 6
+    assert bm.get_block_table(group.seqs[0]) == bm.get_block_table(child)
+    assert_ref_counts_match_tables(bm)
+
+
+def test_swap_limits():
+    bm = BlockSpaceManager(BS, 4, 2, watermark=0.0)
+    group = make_group("a", list(range(12)), 0)  # 3 blocks
+    bm.allocate(group)
+    run(group)
+    assert not bm.can_swap_out(group)  # 3 blocks, 2 in the swap pool
+    bm2 = BlockSpaceManager(BS, 4, 8, watermark=0.0)
+    group = make_group("b", list(range(16)), 0)  # the whole cache
+    bm2.allocate(group)
+    run(group)
+    bm2.swap_out(group)
+    group.seqs[0].status = SequenceStatus.SWAPPED
+    assert bm2.can_swap_in(group) is AllocStatus.NEVER  # 4 blocks + 1 to append > 4
+
+
+def prefix_manager(num_gpu_blocks: int = 8) -> BlockSpaceManager:
+    return BlockSpaceManager(BS, num_gpu_blocks, 0, watermark=0.0, enable_prefix_caching=True)
+
+
+def test_prefix_cache_reuses_computed_full_blocks_only():
+    bm = prefix_manager()
+    prompt = list(range(10))  # blocks [0..3] [4..7] [8, 9]
+    a = make_group("a", prompt, 0)
+    b = make_group("b", prompt, 1)
+    bm.allocate(a)
+    bm.allocate(b)  # a has not run yet: nothing to reuse
+    assert b.seqs[0].num_computed_tokens == 0
+    bm.free(b.seqs[0])
+    run(a)
+    computed(bm, a)
+    c = make_group("c", prompt + [99], 2)
+    bm.allocate(c)
+    seq_a, seq_c = a.seqs[0], c.seqs[0]
+    assert seq_c.num_computed_tokens == 8
+    assert bm.get_block_table(seq_c)[:2] == bm.get_block_table(seq_a)[:2]
+    assert bm.get_block_table(seq_c)[2] != bm.get_block_table(seq_a)[2]  # the partial block is never shared
+    assert bm.prefix_cache_hit_rate() == pytest.approx(2 / 6)  # a: 0 of 2, b: 0 of 2, c: 2 of 2
+    assert_ref_counts_match_tables(bm)
+
+
+def test_prefix_cache_chain_needs_the_same_prefix():
+    bm = prefix_manager()
+    a = make_group("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 0)
+    bm.allocate(a)
+    run(a)
+    computed(bm, a)
+    b = make_group("b", [0, 2, 3, 4, 5, 6, 7, 8, 9], 1)  # same second block, different first
+    assert bm.can_allocate(b) is AllocStatus.OK
+    bm.allocate(b)
+    assert b.seqs[0].num_computed_tokens == 0
+    assert set(bm.get_block_table(b.seqs[0])).isdisjoint(bm.get_block_table(a.seqs[0]))
+
+
+def test_prefix_cache_leaves_one_token_to_compute():
+    bm = prefix_manager()
+    prompt = list(range(8))  # exactly two full blocks
+    a = make_group("a", prompt, 0)
+    bm.allocate(a)
+    run(a)
+    computed(bm, a)
+    b = make_group("b", prompt, 1)
+    bm.allocate(b)
+    seq_b = b.seqs[0]
+    assert seq_b.num_computed_tokens == 4  # the block of the last token is computed again, privately
+    assert bm.get_block_table(seq_b)[0] == bm.get_block_table(a.seqs[0])[0]
+    assert bm.get_block_table(seq_b)[1] != bm.get_block_table(a.seqs[0])[1]
+
+
+def test_freed_cached_blocks_are_revived_then_evicted_lru():
+    bm = prefix_manager(num_gpu_blocks=4)
+    old = make_group("old", [1, 1, 1, 1, 9], 0)  # 2 blocks: [1111] cached + partial
+    new = make_group("new", [2, 2, 2, 2, 9], 1)
+    for group in (old, new):
+        bm.allocate(group)
+        run(group)
+        computed(bm, group)
+        bm.free(group.seqs[0])
+    assert bm.get_num_free_gpu_blocks() == 4  # cached blocks count as free
+    assert bm.gpu.num_cached() == 2
+    # Reviving a cached block takes it out of the evictor: it is no longer free.
+    again = make_group("again", [2, 2, 2, 2, 7], 2)
+    assert bm.can_allocate(again) is AllocStatus.OK
+    bm.allocate(again)
+    assert again.seqs[0].num_computed_tokens == 4
+    assert bm.get_num_free_gpu_blocks() == 2
+    # Two fresh blocks: the uncached free block goes first, then the least recently freed cached one ([1111]).
+    fresh = make_group("fresh", [5, 6, 7, 8, 9], 3)
+    bm.allocate(fresh)
+    assert bm.get_num_free_gpu_blocks() == 0
+    assert bm.gpu.num_cached() == 1
+    probe = make_group("probe", [1, 1, 1, 1, 9], 4)
+    assert bm.can_allocate(probe) is AllocStatus.LATER
+    bm.free(again.seqs[0])
+    bm.allocate(probe)
+    assert probe.seqs[0].num_computed_tokens == 0  # [1111] was evicted
+    assert_ref_counts_match_tables(bm)
+
+
+def test_can_allocate_counts_revived_blocks_once():
+    bm = prefix_manager(num_gpu_blocks=3)
+    a = make_group("a", [1, 2, 3, 4, 5], 0)
+    bm.allocate(a)
+    run(a)
+    computed(bm, a)
+    bm.free(a.seqs[0])
+    # Recomputing a two-sequence group: both hit the cached first block; 1 revived + 2 private blocks = 3.
+    seqs = [Sequence(10, [1, 2, 3, 4, 5]), Sequence(11, [1, 2, 3, 4, 5])]
+    seqs[0].output_token_ids, seqs[1].output_token_ids = [6], [7]
+    group = SequenceGroup("g", seqs, SamplingParams(n=2, temperature=1.0))
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    assert bm.get_num_free_gpu_blocks() == 0
+    assert bm.get_block_table(seqs[0])[0] == bm.get_block_table(seqs[1])[0]
+    assert_ref_counts_match_tables(bm)
