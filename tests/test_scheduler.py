@@ -1,0 +1,277 @@
+"""Scheduler: queues, budgets, preemption by recompute and swap, aborts, and errors a client can read."""
+import pytest
+
+from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BS = 8
+
+
+def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 16, **overrides) -> Scheduler:
+    fields = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=128, max_num_seqs=8, watermark=0.0)
+    fields.update(overrides)
+    config = EngineConfig(**fields)
+    config.resolve(64)
+    return Scheduler(config, num_gpu_blocks, num_cpu_blocks)
+
+
+_next_seq_id = [0]
+
+
+def make_group(request_id: str, prompt_len: int, best_of: int = 1, arrival: float = 0.0, priority: int = 0) -> SequenceGroup:
+    _next_seq_id[0] += 1
+    params = SamplingParams(n=1, best_of=best_of, temperature=1.0)
+    seq = Sequence(_next_seq_id[0], list(range(prompt_len)))
+    return SequenceGroup(request_id, [seq], params, arrival_time=arrival, priority=priority)
+
+
+def finish_step(sched: Scheduler, out: SchedulerOutput, token: int = 1) -> None:
+    """What the engine does after the forward: K/V computed, one token per running sequence."""
+    sched.update_computed(out)
+    for scheduled in out.scheduled:
+        for seq in scheduled.group.get_seqs(SequenceStatus.RUNNING):
+            seq.append_token(token, {token: 0.0})
+
+
+def fork_all(sched: Scheduler, group: SequenceGroup) -> None:
+    parent = group.seqs[0]
+    for _ in range(group.sampling_params.best_of - 1):
+        _next_seq_id[0] += 1
+        child = parent.fork(_next_seq_id[0])
+        group.add(child)
+        sched.fork_seq(parent, child)
+
+
+def ids(queue) -> list[str]:
+    return [group.request_id for group in queue]
+
+
+def test_prefill_then_decode():
+    sched = make_scheduler(num_gpu_blocks=16)
+    sched.add_seq_group(make_group("a", 10))
+    sched.add_seq_group(make_group("b", 5))
+    out = sched.schedule()
+    assert [(s.group.request_id, s.is_prefill, s.num_tokens) for s in out.scheduled] == [("a", True, 10), ("b", True, 5)]
+    assert out.num_batched_tokens == 15
+    assert {len(t) for t in out.block_tables.values()} == {2, 1}
+    finish_step(sched, out)
+    out = sched.schedule()
+    assert [(s.group.request_id, s.is_prefill, s.num_tokens) for s in out.scheduled] == [("a", False, 1), ("b", False, 1)]
+    assert not out.blocks_to_copy and not out.blocks_to_swap_out and not out.blocks_to_swap_in
+
+
+def test_token_budget_and_max_num_seqs():
+    sched = make_scheduler(num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=3)
+    for name in "abcd":
+        sched.add_seq_group(make_group(name, 30))
+    out = sched.schedule()
+    assert [s.group.request_id for s in out.scheduled] == ["a", "b"]  # a third would pass 64 tokens
+    finish_step(sched, out)
+    out = sched.schedule()
+    assert [s.group.request_id for s in out.scheduled] == ["c"]  # prefills first; then 3 seqs is the cap
+    finish_step(sched, out)
+    out = sched.schedule()
+    assert [s.is_prefill for s in out.scheduled] == [False, False, False]
+    assert ids(sched.waiting) == ["d"]
+
+
+def test_best_of_counts_against_max_num_seqs():
+    sched = make_scheduler(num_gpu_blocks=64, max_num_seqs=4)
+    sched.add_seq_group(make_group("a", 4, best_of=3))
+    sched.add_seq_group(make_group("b", 4, best_of=2))
+    assert ids(s.group for s in sched.schedule().scheduled) == ["a"]
+
+
+def test_too_long_prompt_is_ignored_not_queued():
+    sched = make_scheduler(num_gpu_blocks=16)
+    sched.add_seq_group(make_group("long", 65))
+    sched.add_seq_group(make_group("ok", 4))
+    out = sched.schedule()
+    assert ids(out.ignored) == ["long"]
+    assert out.ignored[0].seqs[0].status is SequenceStatus.FINISHED_IGNORED
+    assert "65 tokens" in out.ignored[0].error and "64" in out.ignored[0].error
+    assert ids(s.group for s in out.scheduled) == ["ok"]
+    assert sched.get_num_unfinished_seq_groups() == 1
+
+
+def test_prompt_that_never_fits_the_cache_ends_with_an_error():
+    sched = make_scheduler(num_gpu_blocks=4)  # 32 tokens of cache, max_model_len 64
+    sched.add_seq_group(make_group("huge", 40))
+    out = sched.schedule()
+    assert ids(out.ignored) == ["huge"] and not sched.has_unfinished_seqs()
+    assert "5 KV cache blocks" in out.ignored[0].error
+    assert sched.block_manager.get_num_free_gpu_blocks() == 4
+
+
+def test_can_allocate_later_keeps_waiting():
+    sched = make_scheduler(num_gpu_blocks=4)
+    sched.add_seq_group(make_group("a", 24))  # 3 blocks
+    sched.add_seq_group(make_group("b", 16))  # 2 blocks: later
+    out = sched.schedule()
+    assert ids(s.group for s in out.scheduled) == ["a"] and ids(sched.waiting) == ["b"]
+    finish_step(sched, out)
+    assert ids(s.group for s in sched.schedule().scheduled) == ["a"]
+    assert ids(sched.waiting) == ["b"] and not out.ignored
+
+
+def test_recompute_preemption_frees_blocks_and_requeues_at_the_front():
+    sched = make_scheduler(num_gpu_blocks=4)
+    a, b = make_group("a", 16, arrival=1.0), make_group("b", 16, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    sched.add_seq_group(make_group("c", 4, arrival=3.0))
+    out = sched.schedule()
+    assert ids(s.group for s in out.scheduled) == ["a", "b"]
+    finish_step(sched, out)
+    out = sched.schedule()  # a needs a third block: b, the latest arrival, is preempted
+    assert out.num_preempted_recompute == 1 and out.num_preempted_swap == 0
+    assert not out.blocks_to_swap_out and not out.blocks_to_swap_in  # recompute moves no bytes
+    assert ids(s.group for s in out.scheduled) == ["a"]
+    assert ids(sched.waiting) == ["b", "c"]
+    seq_b = b.seqs[0]
+    assert seq_b.status is SequenceStatus.WAITING and seq_b.num_computed_tokens == 0 and seq_b.get_len() == 17
+    assert sched.block_manager.get_num_free_gpu_blocks() == 1
+    # Once a finishes, b is prefilled again over its prompt and its output.
+    finish_step(sched, out)
+    a.seqs[0].status = SequenceStatus.FINISHED_LENGTH_CAPPED
+    sched.free_seq(a.seqs[0])
+    sched.free_finished_seq_groups()
+    out = sched.schedule()
+    assert [(s.group.request_id, s.num_tokens) for s in out.scheduled] == [("b", 17), ("c", 4)]
+
+
+def test_best_of_two_is_preempted_by_swap_and_swapped_come_before_new_prefills():
+    sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8)
+    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    out = sched.schedule()
+    finish_step(sched, out)
+    fork_all(sched, b)  # b: two sequences sharing 2 blocks
+    assert sched.block_manager.get_num_free_gpu_blocks() == 1
+    out = sched.schedule()  # a needs a block; b needs two (one copy-on-write): b goes out
+    assert out.num_preempted_swap == 1 and len(out.blocks_to_swap_out) == 2
+    assert ids(sched.swapped) == ["b"] and all(s.status is SequenceStatus.SWAPPED for s in b.seqs)
+    assert sched.block_manager.get_num_free_cpu_blocks() == 6
+    swapped_to = set(out.blocks_to_swap_out.values())
+    sched.add_seq_group(make_group("new", 4, arrival=3.0))
+    finish_step(sched, out)
+    a.seqs[0].status = SequenceStatus.FINISHED_STOPPED
+    sched.free_seq(a.seqs[0])
+    sched.free_finished_seq_groups()
+    out = sched.schedule()
+    assert ids(s.group for s in out.scheduled) == ["b"]  # "new" waits for the swapped group
+    assert set(out.blocks_to_swap_in) == swapped_to
+    assert len(out.blocks_to_copy) == 1  # the siblings' shared last block, copied once
+    src, dst = out.blocks_to_copy[0]
+    assert src != dst and src in out.blocks_to_swap_in.values()
+    assert ids(sched.waiting) == ["new"] and sched.block_manager.get_num_free_cpu_blocks() == 8
+
+
+def test_out_of_swap_space_ends_only_that_request():
+    sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=1)
+    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    finish_step(sched, sched.schedule())
+    fork_all(sched, b)
+    out = sched.schedule()
+    assert ids(out.ignored) == ["b"] and all(s.status is SequenceStatus.FINISHED_ERROR for s in b.seqs)
+    assert "swap space" in b.error and "--swap-space" in b.error
+    assert ids(s.group for s in out.scheduled) == ["a"] and not out.blocks_to_swap_out
+    assert sched.block_manager.get_num_free_gpu_blocks() == 2  # b's blocks came back
+    assert ids(sched.running) == ["a"] and not sched.swapped
+
+
+def test_infeasible_swap_in_ends_the_request():
+    sched = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, preemption_mode="swap")
+    a = make_group("a", 32)  # fills the cache
+    sched.add_seq_group(a)
+    finish_step(sched, sched.schedule())
+    out = sched.schedule()  # a needs a fifth block: it swaps itself out, nothing runs
+    assert out.num_preempted_swap == 1 and not out.scheduled and not out.is_empty()
+    out = sched.schedule()
+    assert ids(out.ignored) == ["a"] and a.seqs[0].status is SequenceStatus.FINISHED_ERROR
+    assert not sched.has_unfinished_seqs()
+    assert sched.block_manager.get_num_free_cpu_blocks() == 8
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
+def test_abort_in_each_queue_frees_every_block(where):
+    sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8)
+    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    if where != "waiting":
+        finish_step(sched, sched.schedule())
+        fork_all(sched, b)
+    if where == "swapped":
+        sched.schedule()
+    assert ids(getattr(sched, where)) == (["a", "b"] if where != "swapped" else ["b"])
+    aborted = sched.abort_seq_group("b")
+    assert aborted == [b] and all(s.status is SequenceStatus.FINISHED_ABORTED for s in b.seqs)
+    assert "b" not in ids(sched.waiting) + ids(sched.running) + ids(sched.swapped)
+    assert sched.block_manager.get_num_free_cpu_blocks() == 8
+    a_blocks = len(sched.block_manager.block_tables.get(a.seqs[0].seq_id, []))
+    assert sched.block_manager.get_num_free_gpu_blocks() == 5 - a_blocks
+    sched.abort_seq_group(["a", "unknown"])
+    assert not sched.has_unfinished_seqs() and sched.block_manager.get_num_free_gpu_blocks() == 5
+
+
+def test_preempt_then_abort():
+    sched = make_scheduler(num_gpu_blocks=4)
+    a, b = make_group("a", 16, arrival=1.0), make_group("b", 16, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    finish_step(sched, sched.schedule())
+    sched.schedule()
+    assert ids(sched.waiting) == ["b"]
+    sched.abort_seq_group("b")
+    assert ids(sched.waiting) == [] and b.seqs[0].status is SequenceStatus.FINISHED_ABORTED
+    assert sched.block_manager.get_num_free_gpu_blocks() == 1
+
+
+def test_priority_policy_runs_lower_values_first():
+    sched = make_scheduler(num_gpu_blocks=4, scheduling_policy=SchedulingPolicy.PRIORITY)
+    sched.add_seq_group(make_group("low", 24, arrival=1.0, priority=5))
+    sched.add_seq_group(make_group("high", 24, arrival=2.0, priority=0))
+    assert ids(s.group for s in sched.schedule().scheduled) == ["high"]
+
+
+def test_config_must_be_resolved():
+    with pytest.raises(ValueError, match="resolve"):
+        Scheduler(EngineConfig(), 4, 4)
+
+
+def test_preemption_mode_recompute_applies_to_groups_of_several():
+    sched = make_scheduler(num_gpu_blocks=5, preemption_mode=PreemptionMode.RECOMPUTE)
+    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    finish_step(sched, sched.schedule())
+    fork_all(sched, b)
+    out = sched.schedule()
+    assert out.num_preempted_recompute == 1 and not out.blocks_to_swap_out
+    assert [s.status for s in b.seqs] == [SequenceStatus.WAITING] * 2
+
+
+def test_groups_swapped_out_in_one_step_come_back_in_arrival_order():
+    sched = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8)
+    groups = [make_group("a", 16, arrival=1.0), make_group("b", 4, best_of=2, arrival=2.0),
+              make_group("c", 4, best_of=2, arrival=3.0)]
+    for group in groups:
+        sched.add_seq_group(group)
+    finish_step(sched, sched.schedule())
+    fork_all(sched, groups[1])
+    fork_all(sched, groups[2])
+    out = sched.schedule()  # a grows: c goes out, then b cannot copy its shared block and goes out too
+    assert out.num_preempted_swap == 2 and ids(sched.swapped) == ["b", "c"]
+    finish_step(sched, out)
+    groups[0].seqs[0].status = SequenceStatus.FINISHED_STOPPED
+    sched.free_seq(groups[0].seqs[0])
+    sched.free_finished_seq_groups()
+    out = sched.schedule()
+    # b needs 1 block + 1 per sequence to resume; c's 3 more do not fit beside it yet.
+    assert ids(s.group for s in out.scheduled) == ["b"] and ids(sched.swapped) == ["c"]
