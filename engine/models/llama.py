@@ -1,0 +1,245 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) on a flattened, unpadded batch and the paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import Attention, AttentionMetadata, KVCache
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass
+class ModelArgs:
+    """The fields of an HF config this model reads, checked once."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool  # Qwen2 always; Llama when attention_bias
+    o_bias: bool  # Llama attention_bias only
+    mlp_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, c) -> "ModelArgs":
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c.hidden_act!r} is not supported (only silu).")
+        qwen2 = getattr(c, "model_type", "") == "qwen2"
+        bias = bool(getattr(c, "attention_bias", False))
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            rms_norm_eps=c.rms_norm_eps,
+            qkv_bias=qwen2 or bias,
+            o_bias=bias and not qwen2,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        )
+
+
+def rope_inv_freq(hf_config, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies [head_dim // 2] and the cos/sin scale, as HF computes them for the config."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    with torch.device("cpu"):  # the model may be built under torch.device("meta")
+        return _inv_freq(hf_config, rope_type, params, head_dim, max_len)
+
+
+def _inv_freq(hf_config, rope_type: str, params: dict, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # dynamic NTK is frozen at the longest length we serve (HF rescales per batch, which a cache cannot follow).
+    seq_len = max(max_len, getattr(hf_config, "max_position_embeddings", max_len)) if rope_type == "dynamic" else None
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=seq_len)
+    return inv_freq.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves) from a cos/sin table built on first use on the model's device."""
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, max_len: int) -> None:
+        super().__init__()
+        self.inv_freq, self.scale, self.max_len = inv_freq, scale, max_len
+        self._cos_sin: Optional[torch.Tensor] = None  # [max_len, head_dim] float32: cos halves | sin halves
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos_sin is None or self._cos_sin.device != positions.device:
+            t = torch.arange(self.max_len, dtype=torch.float32, device="cpu")
+            freqs = torch.outer(t, self.inv_freq)  # [max_len, head_dim // 2]
+            table = torch.cat([freqs.cos() * self.scale, freqs.sin() * self.scale], dim=-1)
+            self._cos_sin = table.to(positions.device)
+        cos, sin = self._cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2]
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, heads, head_dim]; same arithmetic as HF's x * cos + rotate_half(x) * sin.
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, dim]
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # HF normalises in float32, casts back, then scales.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        # q, k and v in one matmul: fewer, larger GEMMs are faster on CPU and GPU alike.
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias, dtype=dtype)
+        self.rotary = rotary
+        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, scale=a.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos_sin, kv_cache: Optional[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.heads + self.kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, *cos_sin)  # q and k rotated together
+        q, k = qk[:, : self.heads], qk[:, self.heads :].contiguous()
+        v = qkv[:, self.q_size + self.kv_size :].contiguous().view(t, self.kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.view(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.inter = a.intermediate_size
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(a, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(a, dtype)
+
+    def forward(self, x, cos_sin, kv_cache: Optional[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family decoder whose forward runs one flattened batch of tokens from many sequences."""
+
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, max_len: Optional[int] = None) -> None:
+        super().__init__()
+        a = self.args = ModelArgs.from_hf(hf_config)
+        self.dtype = dtype
+        max_len = max_len or getattr(hf_config, "max_position_embeddings", 2048)
+        inv_freq, scale = rope_inv_freq(hf_config, a.head_dim, max_len)
+        self.rotary = RotaryEmbedding(inv_freq.to("cpu"), scale, max_len)
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head (SmolLM2); call again after to_empty(), which unties them."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: Optional[list[KVCache]],  # one per layer; None to run without a cache (profiling)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden] before the final norm; compute_logits finishes the rows asked for
+        cos_sin = self.rotary.cos_sin(positions, self.dtype)
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos_sin, kv_caches[i] if kv_caches is not None else None, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] f32
+        return self.lm_head(self.norm(hidden)).float()
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def _fused_targets(self, name: str) -> Optional[tuple[str, int, int]]:
+        """HF name -> (our fused param, row offset, rows) for q/k/v and gate/up; None for a plain name."""
+        a = self.args
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        shards = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, a.intermediate_size),
+            "mlp.up_proj": ("mlp.gate_up_proj", a.intermediate_size, a.intermediate_size),
+        }
+        for hf_part, (ours, offset, rows) in shards.items():
+            if f".{hf_part}." in name:
+                return name.replace(hf_part, ours), offset, rows
+        return None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF state-dict tensors (model.layers.N.self_attn.q_proj.weight, ...) into our fused params."""
+        params = dict(self.named_parameters())
+        rows_loaded = dict.fromkeys(params, 0)
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and self.args.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            fused = self._fused_targets(name)
+            name, offset, rows = fused if fused is not None else (name, 0, tensor.shape[0])
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}.")
+            params[name][offset : offset + rows].copy_(tensor)
+            rows_loaded[name] += rows
+        missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint is missing or duplicates tensors for {len(missing)} params, e.g. {missing[:3]}.")
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights (benchmarks of big architectures with nothing to download); norms start at one."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
