@@ -1,0 +1,231 @@
+"""After the sampler: fork, append, detokenize, stop, free; and the RequestOutput of a group."""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+from engine.detokenizer import Detokenizer
+from engine.sampler import Sample
+from engine.sampling_params import SamplingParams
+from engine.sequence import (
+    CompletionOutput,
+    RequestOutput,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+
+
+def beam_score(seq: Sequence, length_penalty: float) -> float:
+    """HF's hypothesis score: cumulative logprob / generated length ** length_penalty.
+
+    As in transformers >= 4.36, the length counts generated tokens only (the EOS
+    included), not the prompt.
+    """
+    return seq.cumulative_logprob / (max(seq.get_output_len(), 1) ** length_penalty)
+
+
+class OutputProcessor:
+    """Applies one step's samples to a group: forks, beams, stop checks, frees finished sequences."""
+
+    def __init__(self, scheduler, tokenizer, max_model_len: int, eos_token_id: Optional[int],
+                 seq_counter: Iterator[int]) -> None:
+        self.scheduler = scheduler
+        self.detokenizer = Detokenizer(tokenizer)
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.seq_counter = seq_counter
+
+    # ---- one step ----------------------------------------------------------
+
+    def process(self, group: SequenceGroup, samples: list[Sample]) -> None:
+        if group.metrics.first_token_time is None and samples:
+            group.metrics.first_token_time = time.monotonic()
+        params = group.sampling_params
+        parents = group.get_seqs(SequenceStatus.RUNNING)
+        # Hypotheses finished in earlier steps (beam search compares them with new ones).
+        already_finished = [s for s in group.seqs if s.is_finished()]
+        by_parent: dict[int, list[Sample]] = {p.seq_id: [] for p in parents}
+        for sample in samples:
+            by_parent[sample.parent_seq_id].append(sample)
+
+        children: list[tuple[Sequence, Sequence]] = []  # (child, parent); child is parent when it continues
+        for parent in parents:
+            mine = by_parent[parent.seq_id]
+            if not mine:
+                # A beam no candidate extends: it is dropped for good.
+                parent.status = SequenceStatus.FINISHED_ABORTED
+                group.remove(parent.seq_id)
+                self.scheduler.free_seq(parent)
+                continue
+            for sample in mine[:-1]:
+                child = parent.fork(next(self.seq_counter))
+                child.append_token(sample.token_id, sample.logprobs)
+                children.append((child, parent))
+            parent.append_token(mine[-1].token_id, mine[-1].logprobs)
+            children.append((parent, parent))
+
+        for seq, _ in children:
+            new_text = self.detokenizer.decode_next(seq, params.skip_special_tokens)
+            self._check_stop(seq, params, len(new_text))
+
+        if params.use_beam_search:
+            self._select_beams(group, children, already_finished)
+            return
+        for seq, parent in children:
+            if seq is not parent:
+                group.add(seq)
+                if not seq.is_finished():
+                    self.scheduler.fork_seq(parent, seq)
+        for seq, parent in children:
+            if seq is parent and seq.is_finished():
+                self.scheduler.free_seq(seq)
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams, new_char_count: int) -> None:
+        """Stop conditions in vLLM's order: stop token / EOS, stop strings, then the length caps."""
+        last = seq.output_token_ids[-1]
+        if seq.get_output_len() >= params.min_tokens:
+            is_eos = not params.ignore_eos and last == self.eos_token_id
+            if is_eos or last in params.stop_token_ids:
+                # The stop token's own text is left out unless asked for.
+                if new_char_count and not params.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[:-new_char_count]
+                seq.stop_reason = None if is_eos else last
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if self._check_stop_strings(seq, params, new_char_count):
+                return
+        too_long = seq.get_len() >= self.max_model_len
+        if too_long or (params.max_tokens is not None and seq.get_output_len() >= params.max_tokens):
+            # The output ends here: emit any bytes held back for an unfinished character.
+            self.detokenizer.flush(seq)
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, params: SamplingParams, new_char_count: int) -> bool:
+        if not new_char_count:
+            return False
+        text = seq.output_text
+        for stop in params.stop:
+            # Only the new text, plus what a stop string could straddle, needs searching.
+            index = text.find(stop, max(len(text) - new_char_count - len(stop) + 1, 0))
+            if index == -1:
+                continue
+            end = index + len(stop) if params.include_stop_str_in_output else index
+            seq.output_text = text[:end]
+            seq.stop_reason = stop
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return True
+        return False
+
+    # ---- beam search -------------------------------------------------------
+
+    def _select_beams(self, group: SequenceGroup, children: list[tuple[Sequence, Sequence]],
+                      already_finished: list[Sequence]) -> None:
+        """vLLM v0.2's beam step: keep the best beam_width finished and running hypotheses."""
+        params = group.sampling_params
+        width, lp = params.best_of, params.length_penalty
+        score = lambda item: beam_score(item[0], lp)  # noqa: E731
+        selected: list[tuple[Sequence, Sequence]] = []
+        unselected: list[tuple[Sequence, Sequence]] = []
+
+        existing = [(s, None, False) for s in already_finished]
+        new_finished = [(s, p, True) for s, p in children if s.is_finished()]
+        finished = sorted(existing + new_finished, key=score, reverse=True)
+        for seq, parent, is_new in finished[:width]:
+            if is_new:
+                selected.append((seq, parent))
+        for seq, parent, is_new in finished[width:]:
+            if is_new:
+                unselected.append((seq, parent))
+            else:
+                group.remove(seq.seq_id)
+
+        running = sorted(((s, p) for s, p in children if not s.is_finished()), key=score, reverse=True)
+        if not running:
+            stop = True
+        elif len(finished) < width:
+            stop = False
+        else:
+            stop = self._can_stop(params, running[0][0], finished[width - 1][0])
+        if stop:
+            unselected.extend(running)
+        else:
+            selected.extend(running[:width])
+            unselected.extend(running[width:])
+
+        for seq, parent in selected:
+            if seq is not parent:
+                group.add(seq)
+                if not seq.is_finished():
+                    self.scheduler.fork_seq(parent, seq)
+        for seq, parent in selected:
+            if seq is parent and seq.is_finished():
+                self.scheduler.free_seq(seq)
+        for seq, parent in unselected:
+            if seq is parent:
+                # A parent no longer wanted; its forked children (if any) hold their own blocks.
+                group.remove(seq.seq_id)
+                self.scheduler.free_seq(seq)
+
+    def _can_stop(self, params: SamplingParams, best_running: Sequence, worst_finished: Sequence) -> bool:
+        """HF's early_stopping: True stops once beam_width hypotheses exist; False / "never" compare scores."""
+        if params.early_stopping is True:
+            return True
+        lp = params.length_penalty
+        worst = beam_score(worst_finished, lp)
+        if params.early_stopping == "never" and lp > 0.0:
+            # A positive penalty favours length: the best running beam could still grow to the cap.
+            longest = self.max_model_len - len(best_running.prompt_token_ids)
+            if params.max_tokens is not None:
+                longest = min(longest, params.max_tokens)
+            best = best_running.cumulative_logprob / (max(longest, 1) ** lp)
+        else:
+            best = beam_score(best_running, lp)
+        return worst >= best
+
+    # ---- what the client sees ----------------------------------------------
+
+    def to_request_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        finished = group.is_finished()
+        if params.use_beam_search or params.best_of > params.n:
+            # The n chosen ones are known only at the end (vLLM streams nothing before).
+            if params.use_beam_search:
+                key = lambda s: beam_score(s, params.length_penalty)  # noqa: E731
+            else:
+                key = lambda s: s.cumulative_logprob  # noqa: E731
+            seqs = sorted(group.seqs, key=key, reverse=True)[: params.n] if finished else []
+        else:
+            seqs = group.seqs[: params.n]
+        # While a stop string could still be completing, hold its possible start
+        # back, so streamed text never shows what truncation later removes.
+        hold = 0
+        if params.stop and not params.include_stop_str_in_output:
+            hold = max(len(s) for s in params.stop) - 1
+        outputs = []
+        for index, seq in enumerate(seqs):
+            text = seq.output_text
+            if hold and not seq.is_finished():
+                text = text[: max(len(text) - hold, 0)]
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=group.prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            error=group.error,
+            metrics=group.metrics,
+        )

@@ -1,0 +1,329 @@
+"""Turns one step's logits into tokens: penalties, greedy / random / beam choice, logprobs."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Logprobs, Sequence, SequenceGroup
+
+# Logprobs reported to the client (Sample.logprobs, prompt logprobs, cumulative_logprob)
+# are log_softmax of the RAW model logits, before penalties, bias or temperature:
+# that is what vLLM v0.2 and OpenAI report, and what HF's log_softmax parity check expects.
+# Beam search ranks candidates with the log_softmax of the ADJUSTED logits
+# (penalties, bias, min_tokens) so that e.g. a masked EOS can never be chosen.
+
+
+class Sample(NamedTuple):
+    parent_seq_id: int
+    token_id: int
+    logprobs: Logprobs  # the sampled token plus the top-`logprobs` alternatives
+
+
+def _is_first_token(seqs: list[Sequence]) -> bool:
+    return len(seqs) == 1 and seqs[0].get_output_len() == 0
+
+
+def _num_samples(params: SamplingParams, seqs: list[Sequence]) -> int:
+    """Samples drawn per row: best_of from the single row before the first token, else one."""
+    return params.best_of if _is_first_token(seqs) and not params.greedy else 1
+
+
+class Sampler:
+    """Samples the next token of every running sequence of the scheduled groups."""
+
+    def __init__(self, eos_token_id: Optional[int] = None) -> None:
+        self.eos_token_id = eos_token_id
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab]
+        groups: list[tuple[SequenceGroup, list[Sequence]]],
+    ) -> list[list[Sample]]:
+        logits = logits.float()
+        num_rows, vocab = logits.shape
+        assert num_rows == sum(len(seqs) for _, seqs in groups), "one logits row per running sequence"
+        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        logits = self._adjust(logits, groups)
+
+        # Row layout: group i owns rows [starts[i], starts[i] + len(seqs)).
+        starts, row = [], 0
+        for _, seqs in groups:
+            starts.append(row)
+            row += len(seqs)
+
+        # One "slot" per sample drawn; slots are laid out group by group in order.
+        # Greedy and random slots are filled in one vectorized pass each; beam groups
+        # produce (row, token) pairs of their own.
+        slot_rows: list[int] = []
+        greedy_slots: list[int] = []
+        random_slots: list[int] = []
+        beam_parts: dict[int, tuple[int, int]] = {}  # group index -> (first slot, count)
+        for gi, (group, seqs) in enumerate(groups):
+            params = group.sampling_params
+            if params.use_beam_search:
+                count = 2 * params.best_of
+                beam_parts[gi] = (len(slot_rows), count)
+                slot_rows.extend([starts[gi]] * count)  # placeholder, replaced below
+                continue
+            reps = _num_samples(params, seqs)
+            for r in range(len(seqs)):
+                for _ in range(reps):
+                    (greedy_slots if params.greedy else random_slots).append(len(slot_rows))
+                    slot_rows.append(starts[gi] + r)
+
+        device = logits.device
+        slot_rows_t = torch.tensor(slot_rows, dtype=torch.long, device=device)
+        slot_tokens = torch.zeros(len(slot_rows), dtype=torch.long, device=device)
+        if greedy_slots:
+            idx = torch.tensor(greedy_slots, dtype=torch.long, device=device)
+            slot_tokens[idx] = logits[slot_rows_t[idx]].argmax(dim=-1)
+        if random_slots:
+            idx = torch.tensor(random_slots, dtype=torch.long, device=device)
+            slot_tokens[idx] = self._sample_random(logits, groups, starts, slot_rows, random_slots)
+        for gi, (first, count) in beam_parts.items():
+            group, seqs = groups[gi]
+            rows, tokens = _beam_candidates(
+                torch.log_softmax(logits[starts[gi] : starts[gi] + len(seqs)], dim=-1), seqs, count
+            )
+            slot_rows_t[first : first + count] = rows + starts[gi]
+            slot_tokens[first : first + count] = tokens
+
+        return self._build_samples(raw_logprobs, groups, starts, slot_rows_t, slot_tokens)
+
+    # ---- logit adjustments -------------------------------------------------
+
+    def _adjust(self, logits: torch.Tensor, groups: list[tuple[SequenceGroup, list[Sequence]]]) -> torch.Tensor:
+        """Penalties, logit_bias and min_tokens, in vLLM's order; a copy only when something applies."""
+        vocab = logits.shape[-1]
+        rows_params = [(group.sampling_params, seq) for group, seqs in groups for seq in seqs]
+        if any(_has_penalty(p) for p, _ in rows_params):
+            logits = apply_penalties(logits, rows_params)
+        extra = [(r, p, s) for r, (p, s) in enumerate(rows_params) if p.logit_bias or _blocks_stop(p, s)]
+        if extra:
+            logits = logits.clone()
+            for r, params, seq in extra:
+                if params.logit_bias:
+                    # Ids outside the vocabulary cannot be sampled anyway; ignore their bias.
+                    bias = {t: b for t, b in params.logit_bias.items() if 0 <= t < vocab}
+                    ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
+                    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+                    logits[r].index_add_(0, ids, values)
+                if _blocks_stop(params, seq):
+                    stop_ids = list(params.stop_token_ids)
+                    if self.eos_token_id is not None and not params.ignore_eos:
+                        stop_ids.append(self.eos_token_id)
+                    logits[r, [t for t in stop_ids if t < vocab]] = float("-inf")
+        return logits
+
+    # ---- random sampling ---------------------------------------------------
+
+    def _sample_random(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab]
+        groups: list[tuple[SequenceGroup, list[Sequence]]],
+        starts: list[int],
+        slot_rows: list[int],
+        random_slots: list[int],
+    ) -> torch.Tensor:  # [len(random_slots)] token ids
+        device = logits.device
+        # Process each distinct row once, then expand to its best_of slots.
+        rows = sorted({slot_rows[s] for s in random_slots})
+        row_params = _row_params(groups, starts)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        temps = torch.tensor([row_params[r].temperature for r in rows], dtype=logits.dtype, device=device)
+        x = logits[rows_t] / temps.unsqueeze(1)
+        top_ps = [row_params[r].top_p for r in rows]
+        top_ks = [row_params[r].top_k for r in rows]
+        if any(p < 1.0 for p in top_ps) or any(k != -1 for k in top_ks):
+            x = apply_top_k_top_p(x, torch.tensor(top_ks, device=device), torch.tensor(top_ps, dtype=x.dtype, device=device))
+        probs = torch.softmax(x, dim=-1)
+        min_ps = [row_params[r].min_p for r in rows]
+        if any(m > 0.0 for m in min_ps):
+            probs = apply_min_p(probs, torch.tensor(min_ps, dtype=probs.dtype, device=device))
+        pos = {r: i for i, r in enumerate(rows)}
+        expanded = probs[torch.tensor([pos[slot_rows[s]] for s in random_slots], dtype=torch.long, device=device)]
+        noise = self._exponential_noise(expanded.shape, groups, starts, slot_rows, random_slots, device)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p,
+        # with each row's noise from its own generator.
+        return (expanded / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, shape, groups, starts, slot_rows, random_slots, device) -> torch.Tensor:
+        noise = torch.empty(shape, device=device)
+        if not any(g.sampling_params.seed is not None for g, _ in groups):
+            return noise.exponential_()
+        # Slots of one group are contiguous; a seeded group draws from its own
+        # generator only, so its tokens do not depend on the rest of the batch.
+        owner = _row_groups(groups, starts)
+        i = 0
+        while i < len(random_slots):
+            group = owner[slot_rows[random_slots[i]]]
+            j = i
+            while j < len(random_slots) and owner[slot_rows[random_slots[j]]] is group:
+                j += 1
+            noise[i:j].exponential_(generator=_generator(group, device))
+            i = j
+        return noise
+
+    # ---- results -----------------------------------------------------------
+
+    def _build_samples(self, raw_logprobs, groups, starts, slot_rows_t, slot_tokens) -> list[list[Sample]]:
+        k = max((g.sampling_params.logprobs or 0) for g, _ in groups) if groups else 0
+        chosen = raw_logprobs[slot_rows_t, slot_tokens]
+        parts = [slot_rows_t.double(), slot_tokens.double(), chosen.double()]
+        if k > 0:
+            top_vals, top_ids = raw_logprobs.topk(k, dim=-1)  # [num_rows, k]
+            parts += [top_ids.double().flatten(), top_vals.double().flatten()]
+        flat = torch.cat(parts).tolist()  # the one device -> host transfer
+        n = len(slot_rows_t)
+        rows, tokens, lps = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+        num_rows = raw_logprobs.shape[0]
+        top_ids_l = flat[3 * n : 3 * n + num_rows * k]
+        top_vals_l = flat[3 * n + num_rows * k :]
+
+        out: list[list[Sample]] = []
+        slot = 0
+        for gi, (group, seqs) in enumerate(groups):
+            params = group.sampling_params
+            count = 2 * params.best_of if params.use_beam_search else len(seqs) * _num_samples(params, seqs)
+            want = params.logprobs or 0
+            samples = []
+            for s in range(slot, slot + count):
+                row, token = int(rows[s]), int(tokens[s])
+                logprobs = {token: lps[s]}
+                base = row * k
+                for j in range(want):
+                    logprobs.setdefault(int(top_ids_l[base + j]), top_vals_l[base + j])
+                samples.append(Sample(seqs[row - starts[gi]].seq_id, token, logprobs))
+            out.append(samples)
+            slot += count
+        return out
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _blocks_stop(params: SamplingParams, seq: Sequence) -> bool:
+    return seq.get_output_len() < params.min_tokens
+
+
+def _row_params(groups, starts) -> dict[int, SamplingParams]:
+    return {starts[gi] + r: g.sampling_params for gi, (g, seqs) in enumerate(groups) for r in range(len(seqs))}
+
+
+def _row_groups(groups, starts) -> dict[int, SequenceGroup]:
+    return {starts[gi] + r: g for gi, (g, seqs) in enumerate(groups) for r in range(len(seqs))}
+
+
+def _generator(group: SequenceGroup, device: torch.device) -> Optional[torch.Generator]:
+    """The group's own seeded generator (created on first use), or None for the global one."""
+    seed = group.sampling_params.seed
+    if seed is None:
+        return None
+    if group.generator is None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        group.generator = gen
+    return group.generator
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    rows_params: list[tuple[SamplingParams, Sequence]],
+) -> torch.Tensor:  # [num_rows, vocab], a new tensor
+    """Repetition penalty over prompt+output (HF), then frequency and presence over output (OpenAI)."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    out_ids = _pad([s.output_token_ids for _, s in rows_params], vocab, device)  # [num_rows, max_out]
+    counts = torch.zeros(num_rows, vocab + 1, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+    counts = counts[:, :vocab]  # the padding column vocab is dropped
+    rep = torch.tensor([p.repetition_penalty for p, _ in rows_params], dtype=logits.dtype, device=device)
+    logits = logits.clone()
+    if (rep != 1.0).any():
+        prompt_ids = _pad([s.prompt_token_ids for _, s in rows_params], vocab, device)
+        seen = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        rep_rows = rep.unsqueeze(1).expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rep_rows, logits * rep_rows)
+        logits = torch.where(seen, penalised, logits)
+    freq = torch.tensor([p.frequency_penalty for p, _ in rows_params], dtype=logits.dtype, device=device)
+    pres = torch.tensor([p.presence_penalty for p, _ in rows_params], dtype=logits.dtype, device=device)
+    logits -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _pad(lists: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max((len(x) for x in lists), default=0)
+    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.long, device=device).reshape(
+        len(lists), width
+    )
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    top_k: torch.Tensor,  # [num_rows] long, -1 = off
+    top_p: torch.Tensor,  # [num_rows] float, 1.0 = off
+) -> torch.Tensor:  # [num_rows, vocab] with excluded tokens at -inf
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = torch.where(top_k < 0, torch.full_like(top_k, vocab), top_k).clamp(max=vocab)
+    # Keep a token if it is at least as large as the k-th largest (ties survive, as in HF).
+    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Drop the low tail whose total mass is <= 1 - p; the top token always stays.
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(
+    probs: torch.Tensor,  # [num_rows, vocab]
+    min_p: torch.Tensor,  # [num_rows]
+) -> torch.Tensor:  # [num_rows, vocab], renormalised
+    threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _beam_candidates(
+    logprobs: torch.Tensor,  # [num_beams, vocab], adjusted
+    seqs: list[Sequence],
+    count: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([count] beam index, [count] token id)
+    """The best `count` (beam, token) extensions by cumulative logprob, as vLLM v0.2 does."""
+    vocab = logprobs.shape[-1]
+    if _is_first_token(seqs):
+        _, tokens = logprobs[0].topk(count)
+        return torch.zeros_like(tokens), tokens
+    cum = torch.tensor([s.cumulative_logprob for s in seqs], dtype=logprobs.dtype, device=logprobs.device)
+    _, flat = (logprobs + cum.unsqueeze(1)).flatten().topk(count)
+    return flat // vocab, flat % vocab
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [num_prompt_tokens, vocab]
+    prompt_token_ids: list[int],
+    k: int,
+) -> list[Optional[Logprobs]]:
+    """Logprob of each prompt token given the ones before it, plus the top-k; entry 0 is None."""
+    n = len(prompt_token_ids)
+    if n <= 1:
+        return [None] * n
+    logprobs = torch.log_softmax(logits[: n - 1].float(), dim=-1)  # row i predicts token i + 1
+    targets = torch.tensor(prompt_token_ids[1:], dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out: list[Optional[Logprobs]] = [None]
+    for i in range(n - 1):
+        entry = {prompt_token_ids[i + 1]: chosen[i]}
+        for tid, val in zip(top_ids[i], top_vals[i]):
+            entry.setdefault(tid, val)
+        out.append(entry)
+    return out
