@@ -48,14 +48,14 @@ class BlockSpaceManager:
         self._num_queried_blocks = 0
         self._num_hit_blocks = 0
 
-    def _blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     # -- admission -----------------------------------------------------------------
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         seqs = group.get_seqs(SequenceStatus.WAITING)
-        num_required = sum(self._blocks_for(seq.get_len()) for seq in seqs)
+        num_required = sum(self.blocks_for(seq.get_len()) for seq in seqs)
         num_taken_from_free = num_required
         if self.enable_prefix_caching:
             revived: set[int] = set()  # cached blocks that leave the evictor, counted once
@@ -90,7 +90,7 @@ class BlockSpaceManager:
             seq.num_computed_tokens = len(hashes) * self.block_size
         for seq in seqs:
             table = self.block_tables[seq.seq_id]
-            table.extend(self.gpu.allocate() for _ in range(self._blocks_for(seq.get_len()) - len(table)))
+            table.extend(self.gpu.allocate() for _ in range(self.blocks_for(seq.get_len()) - len(table)))
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockHash], list[int]]:
         """Hashes and blocks of the longest cached run of leading full blocks.
@@ -124,7 +124,7 @@ class BlockSpaceManager:
         num_required = 0
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             table = self.block_tables[seq.seq_id]
-            num_required += self._blocks_for(seq.get_len()) - len(table) + self._needs_cow(seq, table)
+            num_required += self.blocks_for(seq.get_len()) - len(table) + self._needs_cow(seq, table)
         return num_required <= self.gpu.num_free()
 
     def append_slots(self, seq: Sequence) -> Optional[tuple[int, int]]:
@@ -137,7 +137,7 @@ class BlockSpaceManager:
             self.gpu.free(src)  # still held by the siblings that share it
             table[index] = dst
             cow = (src, dst)
-        for _ in range(self._blocks_for(seq.get_len()) - len(table)):
+        for _ in range(self.blocks_for(seq.get_len()) - len(table)):
             table.append(self.gpu.allocate())
         return cow
 

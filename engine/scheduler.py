@@ -108,6 +108,10 @@ class Scheduler:
         return out
 
     def _schedule_prefills(self, out: SchedulerOutput) -> None:
+        if not self.waiting:
+            return
+        if self.policy is SchedulingPolicy.PRIORITY:
+            self._preempt_for_priority(out)
         token_budget = self.max_num_batched_tokens
         num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
         prompt_limit = min(self.max_model_len, self.max_num_batched_tokens)
@@ -128,7 +132,7 @@ class Scheduler:
             status = self.block_manager.can_allocate(group)
             if status is AllocStatus.NEVER:
                 bm = self.block_manager
-                needed = sum(-(-seq.get_len() // bm.block_size) for seq in seqs)
+                needed = sum(bm.blocks_for(seq.get_len()) for seq in seqs)
                 self._ignore(group, out, f"The request ({longest} tokens) needs {needed} KV cache blocks of "
                              f"{bm.block_size} tokens, but the cache has {bm.num_gpu_blocks} (less the watermark of "
                              f"{bm.watermark_blocks}): it can never run. Give the KV cache more memory "
@@ -201,6 +205,20 @@ class Scheduler:
         out.scheduled.append(ScheduledGroup(group, False, num_tokens))
 
     # -- preemption ----------------------------------------------------------------
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """A waiting group that does not fit pushes out running groups of strictly lower priority."""
+        num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
+        while self.running and self.running[-1].priority > self.waiting[0].priority:
+            head = self.waiting[0]
+            fits = self.block_manager.can_allocate(head) is not AllocStatus.LATER
+            if fits and num_seqs + head.get_max_num_running_seqs() <= self.max_num_seqs:
+                break
+            victim = self.running.pop()
+            num_seqs -= victim.get_max_num_running_seqs()
+            self._preempt(victim, out)
+            # A recompute victim went to the front; it must queue behind the groups that outrank it.
+            self.waiting = deque(sorted(self.waiting, key=_priority_key))
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         mode = self.preemption_mode

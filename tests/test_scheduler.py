@@ -275,3 +275,18 @@ def test_groups_swapped_out_in_one_step_come_back_in_arrival_order():
     out = sched.schedule()
     # b needs 1 block + 1 per sequence to resume; c's 3 more do not fit beside it yet.
     assert ids(s.group for s in out.scheduled) == ["b"] and ids(sched.swapped) == ["c"]
+
+
+def test_priority_policy_preempts_lower_priority_running_groups():
+    sched = make_scheduler(num_gpu_blocks=4, scheduling_policy="priority")
+    low_old, low_new = make_group("low-old", 16, arrival=1.0, priority=2), make_group("low-new", 16, arrival=2.0, priority=1)
+    sched.add_seq_group(low_old)
+    sched.add_seq_group(low_new)
+    finish_step(sched, sched.schedule())
+    sched.add_seq_group(make_group("urgent", 16, arrival=3.0, priority=0))
+    sched.add_seq_group(make_group("later", 16, arrival=4.0, priority=3))
+    out = sched.schedule()
+    # The lowest priority goes first (low-old, priority 2), not the latest arrival.
+    assert out.num_preempted_recompute == 1 and ids(s.group for s in out.scheduled) == ["urgent"]
+    assert ids(sched.running) == ["low-new", "urgent"] and ids(sched.waiting) == ["low-old", "later"]
+    assert low_old.seqs[0].num_computed_tokens == 0 and sched.block_manager.get_num_free_gpu_blocks() == 0

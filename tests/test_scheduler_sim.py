@@ -27,6 +27,7 @@ class Request(NamedTuple):
     prompt: tuple[int, ...]
     best_of: int
     max_tokens: int
+    priority: int = 0
 
 
 def fingerprint(token_ids: list[int]) -> int:
@@ -90,7 +91,8 @@ def simulate(requests: list[Request], num_gpu_blocks: int, num_cpu_blocks: int =
     groups = []
     for i, req in enumerate(requests):
         params = SamplingParams(best_of=req.best_of, max_tokens=req.max_tokens, temperature=1.0)
-        group = SequenceGroup(f"r{i}", [Sequence(next(seq_ids), list(req.prompt))], params, arrival_time=float(i))
+        group = SequenceGroup(f"r{i}", [Sequence(next(seq_ids), list(req.prompt))], params, arrival_time=float(i),
+                              priority=req.priority)
         groups.append(group)
         sched.add_seq_group(group)
     events: Counter = Counter()
@@ -200,7 +202,7 @@ def test_small_swap_space_ends_only_the_groups_that_do_not_fit():
 
 requests_strategy = st.lists(
     st.builds(Request, st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20).map(tuple),
-              st.integers(1, 3), st.integers(1, 10)),
+              st.integers(1, 3), st.integers(1, 10), st.integers(0, 2)),
     min_size=1, max_size=7)
 
 
