@@ -1,0 +1,106 @@
+// The one file that registers pagedserve's compiled ops with Python.
+// Each op dispatches on where its tensors live: CUDA tensors go to the CUDA
+// kernels (only in a build with PAGEDSERVE_CUDA), everything else to the CPU.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+namespace {
+
+bool any_cuda(std::initializer_list<const torch::Tensor*> tensors) {
+  for (const torch::Tensor* t : tensors) {
+    if (t->is_cuda()) return true;
+  }
+  return false;
+}
+
+[[noreturn]] void no_cuda(const char* op) {
+  TORCH_CHECK(false, op, ": got CUDA tensors, but this pagedserve build has no CUDA kernels");
+}
+
+void paged_attention(
+    torch::Tensor& out,                 // [num_seqs, num_heads, head_size]
+    const torch::Tensor& query,         // [num_seqs, num_heads, head_size]
+    const torch::Tensor& key_cache,     // [num_blocks, num_kv_heads, block_size, head_size]
+    const torch::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
+    const torch::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq] int32
+    const torch::Tensor& context_lens,  // [num_seqs] int32
+    double scale) {
+  if (any_cuda({&out, &query, &key_cache, &value_cache})) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::paged_attention(out, query, key_cache, value_cache, block_tables,
+                                             context_lens, scale);
+#else
+    no_cuda("paged_attention");
+#endif
+  }
+  pagedserve::cpu::paged_attention(out, query, key_cache, value_cache, block_tables, context_lens,
+                                   scale);
+}
+
+void reshape_and_cache(
+    const torch::Tensor& key,           // [num_tokens, num_kv_heads, head_size]
+    const torch::Tensor& value,         // [num_tokens, num_kv_heads, head_size]
+    torch::Tensor& key_cache,           // [num_blocks, num_kv_heads, block_size, head_size]
+    torch::Tensor& value_cache,         // [num_blocks, num_kv_heads, block_size, head_size]
+    const torch::Tensor& slot_mapping)  // [num_tokens] int64
+{
+  if (any_cuda({&key, &value, &key_cache, &value_cache})) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+#else
+    no_cuda("reshape_and_cache");
+#endif
+  }
+  pagedserve::cpu::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+}
+
+void copy_blocks(
+    std::vector<torch::Tensor>& key_caches,    // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    std::vector<torch::Tensor>& value_caches,  // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    const torch::Tensor& block_mapping)        // [num_pairs, 2] int64 (src, dst)
+{
+  if (!key_caches.empty() && key_caches[0].is_cuda()) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::copy_blocks(key_caches, value_caches, block_mapping);
+#else
+    no_cuda("copy_blocks");
+#endif
+  }
+  pagedserve::cpu::copy_blocks(key_caches, value_caches, block_mapping);
+}
+
+void swap_blocks(
+    const torch::Tensor& src,            // [num_src_blocks, ...]
+    torch::Tensor& dst,                  // [num_dst_blocks, ...]
+    const torch::Tensor& block_mapping)  // [num_pairs, 2] int64 (src, dst)
+{
+  if (any_cuda({&src, &dst})) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::swap_blocks(src, dst, block_mapping);
+#else
+    no_cuda("swap_blocks");
+#endif
+  }
+  pagedserve::cpu::swap_blocks(src, dst, block_mapping);
+}
+
+bool built_with_cuda() {
+#ifdef PAGEDSERVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pagedserve paged-attention and KV-cache ops";
+  m.def("paged_attention", &paged_attention,
+        "decode attention over a paged KV cache (writes out)");
+  m.def("reshape_and_cache", &reshape_and_cache, "write new K/V rows into their cache slots");
+  m.def("copy_blocks", &copy_blocks, "copy blocks inside every layer's cache");
+  m.def("swap_blocks", &swap_blocks, "copy blocks between two cache tensors");
+  m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");
+}

@@ -1,0 +1,88 @@
+// pagedserve compiled ops: the one header that declares them.
+//
+// Cache layout (every layer, key and value alike):
+//   [num_blocks, num_kv_heads, block_size, head_size]
+// A slot is block_id * block_size + offset; a negative slot is skipped.
+// bindings.cpp registers these with Python and dispatches on the device of the
+// tensors; engine/ops.py is the only Python module that loads them.
+#pragma once
+
+// Only the light ATen header: the kernels' files compile in seconds, and the
+// heavy torch/extension.h (pybind) is paid once, in bindings.cpp.
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace pagedserve {
+
+namespace cpu {
+
+// Decode attention: one query token per sequence over its first
+// context_lens[i] cached tokens, GQA by num_heads / num_kv_heads.
+void paged_attention(
+    at::Tensor& out,                  // [num_seqs, num_heads, head_size]
+    const at::Tensor& query,          // [num_seqs, num_heads, head_size]
+    const at::Tensor& key_cache,      // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& value_cache,    // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& block_tables,   // [num_seqs, max_blocks_per_seq] int32
+    const at::Tensor& context_lens,   // [num_seqs] int32
+    double scale);
+
+// Writes each token's key/value row into its slot of the cache.
+void reshape_and_cache(
+    const at::Tensor& key,            // [num_tokens, num_kv_heads, head_size]
+    const at::Tensor& value,          // [num_tokens, num_kv_heads, head_size]
+    at::Tensor& key_cache,            // [num_blocks, num_kv_heads, block_size, head_size]
+    at::Tensor& value_cache,          // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& slot_mapping);  // [num_tokens] int64
+
+// Copies whole blocks inside each layer's cache, every layer in one call.
+void copy_blocks(
+    std::vector<at::Tensor>& key_caches,    // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    std::vector<at::Tensor>& value_caches,  // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& block_mapping);       // [num_pairs, 2] int64 (src, dst)
+
+// Copies whole blocks from one cache tensor to another (device <-> host pool).
+void swap_blocks(
+    const at::Tensor& src,             // [num_src_blocks, ...]
+    at::Tensor& dst,                   // [num_dst_blocks, ...] same block shape and dtype
+    const at::Tensor& block_mapping);  // [num_pairs, 2] int64 (src, dst)
+
+}  // namespace cpu
+
+#ifdef PAGEDSERVE_CUDA
+// Same contracts as the CPU ops; the tensors live on a CUDA device
+// (swap_blocks: one side may be pinned host memory). Implemented in
+// cuda/torch_bindings.cpp on top of the raw launchers of cuda/launchers.h.
+namespace cuda {
+
+void paged_attention(
+    at::Tensor& out,                  // [num_seqs, num_heads, head_size]
+    const at::Tensor& query,          // [num_seqs, num_heads, head_size]
+    const at::Tensor& key_cache,      // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& value_cache,    // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& block_tables,   // [num_seqs, max_blocks_per_seq] int32
+    const at::Tensor& context_lens,   // [num_seqs] int32
+    double scale);
+
+void reshape_and_cache(
+    const at::Tensor& key,            // [num_tokens, num_kv_heads, head_size]
+    const at::Tensor& value,          // [num_tokens, num_kv_heads, head_size]
+    at::Tensor& key_cache,            // [num_blocks, num_kv_heads, block_size, head_size]
+    at::Tensor& value_cache,          // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& slot_mapping);  // [num_tokens] int64
+
+void copy_blocks(
+    std::vector<at::Tensor>& key_caches,    // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    std::vector<at::Tensor>& value_caches,  // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& block_mapping);       // [num_pairs, 2] int64 (src, dst)
+
+void swap_blocks(
+    const at::Tensor& src,             // [num_src_blocks, ...]
+    at::Tensor& dst,                   // [num_dst_blocks, ...]
+    const at::Tensor& block_mapping);  // [num_pairs, 2] int64 (src, dst), on the CPU
+
+}  // namespace cuda
+#endif
+
+}  // namespace pagedserve

@@ -1,0 +1,302 @@
+"""The one module that loads pagedserve's compiled ops, plus a pure-torch reference for each.
+
+The C++/CUDA sources in csrc/ are JIT-built with torch.utils.cpp_extension on first
+use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir). Where CUDA is
+visible the build also holds the CUDA kernels; ops dispatch on the tensors' device.
+If the build fails (no compiler, say) every op falls back to its reference, with a
+warning. PAGEDSERVE_OPS_BACKEND=torch forces the reference.
+
+Cache layout per layer: [num_blocks, num_kv_heads, block_size, head_size]; a slot is
+block_id * block_size + offset and a negative slot is skipped.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+logger = logging.getLogger("pagedserve.ops")
+
+_SOURCES_CPU = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp")
+_SOURCES_CUDA = ("cuda/attention_kernels.cu", "cuda/cache_kernels.cu", "cuda/torch_bindings.cpp")
+
+BlockMapping = Union[torch.Tensor, Mapping[int, int], Sequence[tuple[int, int]]]
+
+
+class OpsBackend(str, enum.Enum):
+    """Which implementation serves the ops."""
+
+    COMPILED_CUDA = "compiled-cuda"  # C++ CPU ops + CUDA kernels
+    COMPILED_CPU = "compiled-cpu"
+    TORCH_REFERENCE = "torch-reference"
+
+
+# ---------------------------------------------------------------- loading
+
+_lock = threading.Lock()
+_module = None
+_backend: Optional[OpsBackend] = None
+
+
+def find_csrc() -> Optional[Path]:
+    """csrc/ next to the engine package (source tree), else shipped as engine/_csrc or engine/csrc."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "csrc", here / "_csrc", here / "csrc"):
+        if (candidate / "ops.h").is_file():
+            return candidate
+    return None
+
+
+def _cpu_isa_flags() -> tuple[str, list[str]]:
+    # Targeted flags, not -march=native, so a cache built here stays valid on
+    # any machine that has the same extensions (the ISA is part of the name).
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        flags = set()
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return "generic", []
+
+
+def _want_cuda() -> bool:
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return CUDA_HOME is not None and Path(CUDA_HOME, "bin", "nvcc").exists()
+
+
+def _build(csrc: Path, with_cuda: bool):
+    from torch.utils.cpp_extension import load
+
+    isa, isa_flags = _cpu_isa_flags()
+    sources = list(_SOURCES_CPU) + (list(_SOURCES_CUDA) if with_cuda else [])
+    digest = hashlib.sha1()
+    for rel in sorted(p.relative_to(csrc).as_posix() for p in csrc.rglob("*") if p.is_file()):
+        digest.update(rel.encode() + (csrc / rel).read_bytes())
+    name = f"pagedserve_{'cuda' if with_cuda else 'cpu'}_{isa}_{digest.hexdigest()[:10]}"
+    root = os.environ.get("PAGEDSERVE_CACHE")
+    build_dir = Path(root) / name if root else None
+    if build_dir is not None:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build_dir = Path(_get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").exists():
+        kind = "CUDA" if with_cuda else "CPU"
+        logger.warning("building pagedserve %s kernels (first run, ~%s s) in %s ...",
+                       kind, 180 if with_cuda else 40, build_dir)
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=fast", *isa_flags]
+    if with_cuda:
+        cflags.append("-DPAGEDSERVE_CUDA")
+    return load(
+        name=name,
+        sources=[str(csrc / s) for s in sources],
+        extra_cflags=cflags,
+        extra_cuda_cflags=["-O3", "-DPAGEDSERVE_CUDA", "--use_fast_math", "-lineinfo"],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(csrc)],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("PAGEDSERVE_VERBOSE_BUILD") == "1",
+    )
+
+
+def _load():
+    """Builds (once) and returns the compiled module, or None for the torch reference."""
+    global _module, _backend
+    with _lock:
+        if _backend is not None:
+            return _module
+        if os.environ.get("PAGEDSERVE_OPS_BACKEND", "").lower() == "torch":
+            _backend = OpsBackend.TORCH_REFERENCE
+            return None
+        csrc = find_csrc()
+        if csrc is None:
+            logger.warning("pagedserve: csrc/ not found next to the engine package; using the "
+                           "pure-torch reference ops (slow)")
+            _backend = OpsBackend.TORCH_REFERENCE
+            return None
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            logger.warning("pagedserve: no C++ compiler found; using the pure-torch reference ops (slow)")
+            _backend = OpsBackend.TORCH_REFERENCE
+            return None
+        attempts = [True, False] if _want_cuda() else [False]
+        for with_cuda in attempts:
+            try:
+                _module = _build(csrc, with_cuda)
+                _backend = OpsBackend.COMPILED_CUDA if with_cuda else OpsBackend.COMPILED_CPU
+                return _module
+            except Exception as exc:  # a failed build must not take the engine down
+                logger.warning("pagedserve: building the %s kernels failed (%s: %s)",
+                               "CUDA" if with_cuda else "CPU", type(exc).__name__, str(exc)[-2000:])
+        logger.warning("pagedserve: using the pure-torch reference ops (slow)")
+        _backend = OpsBackend.TORCH_REFERENCE
+        return None
+
+
+def backend() -> OpsBackend:
+    """Which implementation the ops use (builds the kernels if not done yet)."""
+    _load()
+    assert _backend is not None
+    return _backend
+
+
+def _compiled_for(*tensors: torch.Tensor):
+    """The compiled module if it serves these tensors' device, else None."""
+    module = _load()
+    if module is None:
+        return None
+    if any(t.is_cuda for t in tensors) and _backend is not OpsBackend.COMPILED_CUDA:
+        return None
+    return module
+
+
+def _as_mapping(block_mapping: BlockMapping) -> torch.Tensor:
+    if isinstance(block_mapping, torch.Tensor):
+        return block_mapping.to(device="cpu", dtype=torch.int64).reshape(-1, 2)
+    pairs = list(block_mapping.items()) if isinstance(block_mapping, Mapping) else list(block_mapping)
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+
+# ---------------------------------------------------------------- the ops
+
+
+def paged_attention(
+    out: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> None:
+    """Decode attention of one query token per sequence over its paged context; writes out."""
+    module = _compiled_for(out, query, key_cache)
+    if module is None:
+        return ref_paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale)
+    module.paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, float(scale))
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Writes each token's K/V rows into its cache slot; negative slots are skipped."""
+    module = _compiled_for(key, key_cache)
+    if module is None:
+        return ref_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    module.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],  # num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    value_caches: list[torch.Tensor],  # num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst), or {src: dst} / [(src, dst)]
+) -> None:
+    """Copies blocks src -> dst inside every layer's key and value cache, in pair order."""
+    mapping = _as_mapping(block_mapping)
+    if mapping.numel() == 0 or not key_caches:
+        return
+    module = _compiled_for(*key_caches[:1])
+    if module is None:
+        return ref_copy_blocks(key_caches, value_caches, mapping)
+    module.copy_blocks(list(key_caches), list(value_caches), mapping)
+
+
+def swap_blocks(
+    src: torch.Tensor,  # [num_src_blocks, num_kv_heads, block_size, head_size]
+    dst: torch.Tensor,  # [num_dst_blocks, num_kv_heads, block_size, head_size]
+    block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst), or {src: dst} / [(src, dst)]
+) -> None:
+    """Copies blocks from one cache tensor into another (device <-> host swap pool).
+
+    On CUDA the copies are queued on the current stream (use a side stream with
+    torch.cuda.stream(...) to overlap them); the host side should be pinned.
+    """
+    mapping = _as_mapping(block_mapping)
+    if mapping.numel() == 0:
+        return
+    module = _compiled_for(src, dst)
+    if module is None:
+        return ref_swap_blocks(src, dst, mapping)
+    module.swap_blocks(src, dst, mapping)
+
+
+# ---------------------------------------------------------------- references (the test oracle)
+
+
+def ref_paged_attention(
+    out: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> None:
+    """Plain-torch paged decode attention, float32 math, one sequence at a time."""
+    num_kv_heads, block_size, head_size = key_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    for i, n in enumerate(context_lens.tolist()):
+        if n == 0:  # nothing cached: defined as zeros
+            out[i].zero_()
+            continue
+        blocks = block_tables[i, : (n + block_size - 1) // block_size].long().to(key_cache.device)
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [n, num_heads, head_size]
+            rows = cache[blocks].transpose(1, 2).reshape(-1, num_kv_heads, head_size)[:n]
+            return rows.float().repeat_interleave(group, dim=1)
+
+        scores = torch.einsum("hd,nhd->hn", query[i].float(), gather(key_cache)) * scale
+        probs = torch.softmax(scores, dim=-1)  # softmax subtracts the max: safe
+        out[i] = torch.einsum("hn,nhd->hd", probs, gather(value_cache)).to(out.dtype)
+
+
+def ref_reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Plain-torch slot writes."""
+    block_size = key_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(key_cache.device)
+    blocks, offsets = slots // block_size, slots % block_size
+    # Indices split by a slice put the token dim first: [n, num_kv_heads, head_size].
+    key_cache[blocks, :, offsets] = key[keep.to(key.device)]
+    value_cache[blocks, :, offsets] = value[keep.to(value.device)]
+
+
+def ref_copy_blocks(
+    key_caches: list[torch.Tensor],  # num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    value_caches: list[torch.Tensor],  # num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    """Plain-torch block copies, pair by pair, every layer."""
+    for src, dst in _as_mapping(block_mapping).tolist():
+        for cache in (*key_caches, *value_caches):
+            cache[dst].copy_(cache[src])
+
+
+def ref_swap_blocks(
+    src: torch.Tensor,  # [num_src_blocks, ...]
+    dst: torch.Tensor,  # [num_dst_blocks, ...]
+    block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    """Plain-torch block copies between two tensors (any devices)."""
+    for s, d in _as_mapping(block_mapping).tolist():
+        dst[d].copy_(src[s])

@@ -1,0 +1,40 @@
+"""Shared helpers for the kernel tests: devices, random paged caches, block tables."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import ops
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_ops():
+    """Builds the kernels once; a test run that silently used the reference would prove nothing."""
+    backend = ops.backend()
+    assert backend is not ops.OpsBackend.TORCH_REFERENCE, "compiled ops unavailable (see the build warning)"
+    return backend
+
+
+def tolerances(dtype: torch.dtype) -> dict:
+    """Kernel and reference both accumulate in float32; the gap is output rounding."""
+    return {
+        torch.float32: dict(atol=1e-5, rtol=1e-5),
+        torch.float16: dict(atol=1e-3, rtol=1e-3),
+        torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    }[dtype]
+
+
+def random_block_tables(context_lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Disjoint, shuffled physical blocks per sequence, padded with block 0: [num_seqs, max_blocks] int32."""
+    needed = [(n + block_size - 1) // block_size for n in context_lens]
+    max_blocks = max(max(needed), 1)
+    assert sum(needed) <= num_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    start = 0
+    for i, k in enumerate(needed):
+        tables[i, :k] = perm[start:start + k].to(torch.int32)
+        start += k
+    return tables
