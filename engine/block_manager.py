@@ -57,7 +57,7 @@ class BlockSpaceManager:
         seqs = group.get_seqs(SequenceStatus.WAITING)
         num_required = sum(self.blocks_for(seq.get_len()) for seq in seqs)
         num_taken_from_free = num_required
-        if self.enable_prefix_caching:
+        if self._reads_prefix_cache(group):
             revived: set[int] = set()  # cached blocks that leave the evictor, counted once
             for seq in seqs:
                 _, hit_blocks = self._find_cached_prefix(seq)
@@ -79,7 +79,7 @@ class BlockSpaceManager:
             assert seq.seq_id not in self.block_tables, f"{seq} already has blocks"
             hashes: list[BlockHash] = []
             table: BlockTable = []
-            if self.enable_prefix_caching:
+            if self._reads_prefix_cache(group):
                 hashes, table = self._find_cached_prefix(seq)
                 for block in table:
                     self.gpu.take_cached(block)
@@ -91,6 +91,10 @@ class BlockSpaceManager:
         for seq in seqs:
             table = self.block_tables[seq.seq_id]
             table.extend(self.gpu.allocate() for _ in range(self.blocks_for(seq.get_len()) - len(table)))
+
+    def _reads_prefix_cache(self, group: SequenceGroup) -> bool:
+        # Prompt logprobs need the logits of every prompt token, so such a prompt is computed in full.
+        return self.enable_prefix_caching and group.sampling_params.prompt_logprobs is None
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockHash], list[int]]:
         """Hashes and blocks of the longest cached run of leading full blocks.

@@ -242,3 +242,17 @@ def test_can_allocate_counts_revived_blocks_once():
     assert bm.get_num_free_gpu_blocks() == 0
     assert bm.get_block_table(seqs[0])[0] == bm.get_block_table(seqs[1])[0]
     assert_ref_counts_match_tables(bm)
+
+
+def test_prompt_logprobs_requests_compute_the_whole_prompt():
+    bm = prefix_manager()
+    a = make_group("a", list(range(10)), 0)
+    bm.allocate(a)
+    run(a)
+    computed(bm, a)
+    b = make_group("b", list(range(10)), 1)
+    b.sampling_params.prompt_logprobs = 1
+    assert bm.can_allocate(b) is AllocStatus.OK
+    bm.allocate(b)
+    assert b.seqs[0].num_computed_tokens == 0
+    assert set(bm.get_block_table(b.seqs[0])).isdisjoint(bm.get_block_table(a.seqs[0]))
