@@ -1,0 +1,276 @@
+"""AsyncLLMEngine: one background task drives LLMEngine.step(); each request reads its own stream."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from engine.metrics import Metrics, StatLogger
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (a step raised, or shutdown); no request can be served."""
+
+
+class _Op(enum.Enum):
+    ADD = enum.auto()
+    ABORT = enum.auto()
+
+
+class _RequestStream:
+    """The outputs of one request id, handed from the engine loop to its reader."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[Union[RequestOutput, BaseException, None]] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: Union[RequestOutput, BaseException]) -> None:
+        if not self.finished:
+            self.queue.put_nowait(item)
+
+    def finish(self, item: Union[RequestOutput, BaseException, None] = None) -> None:
+        if item is not None:
+            self.put(item)
+        if not self.finished:
+            self.finished = True
+            self.queue.put_nowait(None)
+
+
+class AsyncLLMEngine:
+    """Async front of an LLMEngine: requests and aborts go through a queue to one loop task."""
+
+    def __init__(self, engine: Any, *, log_stats: bool = True, stats_interval_s: float = 5.0) -> None:
+        self.engine = engine  # only the loop task (and its executor thread) touches it
+        self.metrics = Metrics(engine.config.model_name)
+        self.stat_logger = StatLogger(stats_interval_s) if log_stats else None
+        # Test hook (reliability suite): called in the step thread before each step; raising kills the engine.
+        self.fault_injector: Optional[Callable[[], None]] = None
+        self._stats = engine.get_stats()
+        self.metrics.set_cache_config(self._stats)
+        self._streams: dict[str, _RequestStream] = {}
+        self._queue: Optional[asyncio.Queue] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._dead: Optional[BaseException] = None
+        self._accepting = True
+
+    @classmethod
+    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
+        from engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(config), **kwargs)
+
+    # -- read-only views (safe from the event loop: no engine state is touched) --
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: both the model's embedding and the tokenizer must know them."""
+        sizes = [len(self.engine.tokenizer)]
+        model_vocab = getattr(getattr(self.engine, "hf_config", None), "vocab_size", None)
+        if model_vocab:
+            sizes.append(int(model_vocab))
+        return min(sizes)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and self._dead is None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    @property
+    def is_ready(self) -> bool:
+        """True when a new request would be served (for /health)."""
+        return self._dead is None and self._accepting
+
+    def get_stats(self) -> Any:
+        """The EngineStats after the latest step (a snapshot; the engine itself is not read here)."""
+        return self._stats
+
+    # -- lifecycle --
+    def start(self) -> None:
+        """Start the loop task on the running event loop (idempotent)."""
+        if self._task is not None and not self._task.done():
+            return
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead}")
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._task = self._loop.create_task(self._run_loop(), name="engine-loop")
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish within timeout_s, abort the rest, stop the loop."""
+        self._accepting = False
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self._streams and asyncio.get_running_loop().time() < deadline and self.is_running:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail_all(EngineDeadError("server is shutting down"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- requests --
+    async def generate(
+        self,
+        request_id: str,
+        prompt: Optional[str] = None,
+        prompt_token_ids: Optional[list[int]] = None,
+        params: Optional[SamplingParams] = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its RequestOutputs until the finished one; aborts if left early."""
+        stream = self.add_request(request_id, prompt, prompt_token_ids, params, priority)
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if not stream.finished or request_id in self._streams:
+                self.abort(request_id)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        prompt_token_ids: Optional[list[int]],
+        params: Optional[SamplingParams],
+        priority: int = 0,
+    ) -> _RequestStream:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead}")
+        if not self._accepting:
+            raise EngineDeadError("server is shutting down")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use.")
+        self.start()
+        stream = _RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._queue.put_nowait((_Op.ADD, request_id, (prompt, prompt_token_ids, params, priority)))
+        return stream
+
+    def abort(self, request_id: Union[str, list[str]]) -> None:
+        """Abort requests wherever they are (queued, running, swapped); callable from any thread."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._abort_on_loop(ids)
+        else:
+            loop.call_soon_threadsafe(self._abort_on_loop, ids)
+
+    def _abort_on_loop(self, ids: list[str]) -> None:
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.finish()
+                if self._queue is not None:
+                    self._queue.put_nowait((_Op.ABORT, rid, None))
+
+    # -- the loop --
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self.engine.has_unfinished_requests() and self._queue.empty():
+                    await self._refresh_stats()
+                    self._apply(await self._queue.get())  # idle: sleep until a request or abort arrives
+                while not self._queue.empty():
+                    self._apply(self._queue.get_nowait())
+                if not self.engine.has_unfinished_requests():
+                    continue
+                outputs, self._stats = await loop.run_in_executor(self._executor, self._step)
+                self._dispatch(outputs)
+                if self.stat_logger is not None:
+                    self.stat_logger.maybe_log(self._stats)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a step raised: the engine state is unknown, stop serving
+            logger.exception("engine step failed; the engine is dead")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+
+    def _step(self) -> tuple[list[RequestOutput], Any]:
+        """Runs in the executor thread: the only place the engine computes."""
+        if self.fault_injector is not None:
+            self.fault_injector()
+        outputs = self.engine.step()
+        return outputs, self.engine.get_stats()
+
+    async def _refresh_stats(self) -> None:
+        self._stats = self.engine.get_stats()
+        self.metrics.record_stats(self._stats)
+
+    def _apply(self, op: tuple) -> None:
+        kind, request_id, payload = op
+        if kind is _Op.ABORT:
+            self.engine.abort_request(request_id)
+        elif kind is _Op.ADD:
+            stream = self._streams.get(request_id)
+            if stream is None:  # aborted before it reached the engine
+                return
+            prompt, prompt_token_ids, params, priority = payload
+            try:
+                self.engine.add_request(
+                    request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params, priority=priority
+                )
+            except ValueError as exc:  # a bad request harms only itself
+                self._streams.pop(request_id, None)
+                stream.finish(exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        self.metrics.record_stats(self._stats)
+        for out in outputs:
+            if out.finished:
+                self.metrics.record_finished(out)
+                stream = self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    stream.finish(out)
+            else:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.finish(exc)
+        if self._queue is not None:
+            while not self._queue.empty():
+                self._queue.get_nowait()
+
+    def __repr__(self) -> str:
+        state = "dead" if self._dead else ("running" if self.is_running else "idle")
+        return f"AsyncLLMEngine({self.config.model_name!r}, {state}, {len(self._streams)} in flight)"

@@ -1,0 +1,86 @@
+"""create_app(engine): the FastAPI app around one AsyncLLMEngine; no module globals."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server import __version__
+from server.errors import error_response, install_error_handlers
+from server.preprocess import ServerContext
+from server.routes import build_router
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context
+
+
+class GuardMiddleware:
+    """Pure ASGI (streams and disconnects pass through untouched): body size limit and the /v1 API key."""
+
+    def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key and scope["path"].startswith("/v1/"):
+            if headers.get("authorization", "") != f"Bearer {self.api_key}":
+                return await error_response("Invalid or missing API key.", 401)(scope, receive, send)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            message = f"The request body is {length} bytes; the limit is {self.max_body_bytes}."
+            return await error_response(message, 413)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_key: Optional[str] = None,
+    served_model_name: Optional[str] = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    shutdown_timeout_s: float = 10.0,
+) -> FastAPI:
+    """The OpenAI-compatible app serving `engine` (an AsyncLLMEngine)."""
+    ctx = ServerContext(
+        engine=engine,
+        model_name=served_model_name or engine.config.model_name,
+        max_model_len=engine.config.max_model_len,
+        vocab_size=engine.vocab_size,
+        api_key=api_key,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown(shutdown_timeout_s)
+
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible LLM server with a paged KV cache.")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(build_router())
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.openapi = lambda: _openapi_without_422(app)
+    return app
+
+
+def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
+    """FastAPI documents a 422 on every route; this server answers validation errors with 400."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for methods in schema.get("paths", {}).values():
+            for op in methods.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+

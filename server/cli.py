@@ -1,0 +1,101 @@
+"""`pagedserve serve [MODEL] ...`: vLLM's flag names -> EngineConfig -> AsyncLLMEngine -> uvicorn."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+logger = logging.getLogger("pagedserve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM server with a paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF folder or .gguf file; omitted: the bundled SmolLM2-135M-Instruct")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the id clients put in `model`")
+    serve.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on /v1/* (env {API_KEY_ENV})")
+    serve.add_argument("--tokenizer", default=None)
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    serve.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    serve.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks")
+    serve.add_argument("--kv-cache-space", type=float, default=4.0, help="GiB of KV cache on CPU")
+    serve.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--enable-prefix-caching", action="store_true")
+    serve.add_argument("--preemption-mode", default=None, choices=[m.value for m in PreemptionMode])
+    serve.add_argument("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
+    serve.add_argument("--max-logprobs", type=int, default=20)
+    serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--enforce-eager", action="store_true")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/cache line")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine flags, one to one onto EngineConfig's fields."""
+    return EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
+        device=args.device, seed=args.seed, load_format=args.load_format, max_model_len=args.max_model_len,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
+        kv_cache_space=args.kv_cache_space, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+        scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
+        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncLLMEngine
+    from server.app import create_app
+
+    try:
+        config = config_from_args(args)
+        engine = AsyncLLMEngine.from_config(config, log_stats=not args.disable_log_stats)
+    except ValueError as exc:  # a flag that cannot work: say which, do not print a traceback
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = create_app(engine, api_key=api_key, served_model_name=config.model_name,
+                     shutdown_timeout_s=args.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
+                config.max_model_len)
+    # uvicorn owns SIGINT/SIGTERM: it stops accepting, gives in-flight requests the timeout, then runs
+    # the lifespan shutdown, which aborts what is left and stops the engine loop.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Thin handlers: validate -> Job -> engine -> JSON or SSE. The work lives in preprocess/streaming/formatting."""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server import __version__, formatting, preprocess, streaming
+from server.errors import APIError
+from server.preprocess import Job, ServerContext
+from server.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse,
+)
+
+# Documented on every route that takes a body; the handlers in errors.py produce these shapes.
+ERRORS: dict[Union[int, str], dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in [(400, "Bad request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+                       (413, "Request body too large"), (503, "Engine not ready or dead")]
+}
+SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"}}
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    return await _serve(request, ctx, preprocess.completion_job(ctx, body))
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    return await _serve(request, ctx, preprocess.chat_job(ctx, body))
+
+
+async def _serve(request: Request, ctx: ServerContext, job: Job) -> Response:
+    if not ctx.engine.is_ready:
+        raise APIError("The engine is not ready or has died.", 503)
+    if job.stream:
+        return streaming.sse_response(ctx.engine, job)
+    finals = await streaming.collect(request, ctx.engine, job)
+    if finals is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(formatting.full_response(ctx.tokenizer, job, finals))
+
+
+async def list_models(request: Request) -> ModelList:
+    ctx = _ctx(request)
+    card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)
+    return ModelList(data=[card])
+
+
+async def health(request: Request) -> Response:
+    return Response(status_code=200 if _ctx(request).engine.is_ready else 503)
+
+
+async def version() -> VersionResponse:
+    return VersionResponse(version=__version__)
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    ctx = _ctx(request)
+    preprocess.check_model(ctx, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("Give exactly one of prompt and messages.", 400, "prompt")
+    if body.messages is not None:
+        text = preprocess.render_chat(ctx, body.messages, body.add_generation_prompt)
+        tokens = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        tokens = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    ctx = _ctx(request)
+    preprocess.check_model(ctx, body.model)
+    preprocess.check_token_ids(ctx, body.tokens, "tokens")
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+
+
+async def metrics(request: Request) -> Response:
+    registry = _ctx(request).engine.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_router() -> APIRouter:
+    """Every route of the API; built per app so no router lives at module level."""
+    router = APIRouter()
+    router.add_api_route("/v1/completions", create_completion,
+                         methods=["POST"], response_model=CompletionResponse, responses={**SSE, **ERRORS})
+    router.add_api_route("/v1/chat/completions", create_chat_completion,
+                         methods=["POST"], response_model=ChatCompletionResponse, responses={**SSE, **ERRORS})
+    router.add_api_route("/v1/models", list_models,
+                         methods=["GET"], response_model=ModelList, responses=ERRORS)
+    router.add_api_route("/health", health,
+                         methods=["GET"], responses={200: {"description": "Engine alive (empty body)"}, 503: ERRORS[503]})
+    router.add_api_route("/version", version,
+                         methods=["GET"], response_model=VersionResponse)
+    router.add_api_route("/tokenize", tokenize,
+                         methods=["POST"], response_model=TokenizeResponse, responses=ERRORS)
+    router.add_api_route("/detokenize", detokenize,
+                         methods=["POST"], response_model=DetokenizeResponse, responses=ERRORS)
+    router.add_api_route("/metrics", metrics,
+                         methods=["GET"], response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    return router

@@ -1,0 +1,186 @@
+"""All streaming in one place: merging engine streams, SSE framing, usage chunk, abort on disconnect."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from sse_starlette.sse import EventSourceResponse
+
+from engine.async_engine import EngineDeadError
+from engine.sequence import RequestOutput
+from server import formatting
+from server.errors import APIError, error_body
+from server.preprocess import Job, JobKind
+
+logger = logging.getLogger(__name__)
+
+DONE = "[DONE]"
+PING_INTERVAL_S = 15  # SSE comments (": ping"): ignored by the openai client and `data:` parsers
+DISCONNECT_POLL_S = 0.1
+
+
+async def run_job(engine: Any, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (prompt_index, RequestOutput) from every prompt's engine request; abort them all if left early."""
+    queue: asyncio.Queue = asyncio.Queue()
+    request_ids = [job.request_id(i) for i in range(len(job.prompts))]
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in engine.generate(request_ids[i], prompt_token_ids=job.prompts[i], params=job.params):
+                queue.put_nowait((i, out))
+        except Exception as exc:  # EngineDeadError, a ValueError from add_request
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(job.prompts))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        engine.abort(request_ids)  # a no-op for requests that finished
+
+
+def engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 503)
+    if isinstance(exc, ValueError):
+        return APIError.from_value_error(exc)
+    return APIError(f"{type(exc).__name__}: {exc}", 500)
+
+
+async def collect(request: Request, engine: Any, job: Job) -> Optional[dict[int, RequestOutput]]:
+    """Run a non-streamed job to the end; None (and every request aborted) if the client disconnects first."""
+
+    async def consume() -> dict[int, RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in run_job(engine, job):
+            if out.finished:
+                finals[i] = out
+        return finals
+
+    async def client_gone() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    work, watcher = asyncio.create_task(consume()), asyncio.create_task(client_gone())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        try:
+            await work
+        except (asyncio.CancelledError, Exception):
+            pass
+        logger.info("client disconnected; aborted %s", job.id)
+        return None
+    try:
+        return work.result()
+    except Exception as exc:
+        raise engine_error(exc) from exc
+
+
+@dataclass
+class _ChoiceState:
+    started: bool = False  # the first chunk (echo prefix) went out
+    text_len: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+def sse_response(engine: Any, job: Job) -> EventSourceResponse:
+    return EventSourceResponse(_events(engine, job), sep="\n", ping=PING_INTERVAL_S)
+
+
+async def _events(engine: Any, job: Job) -> AsyncIterator[dict[str, str]]:
+    """`data: {json}` events: one choice per chunk, finish_reason once per choice, usage, then [DONE]."""
+    tokenizer = engine.tokenizer
+    states: dict[int, _ChoiceState] = {}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        if job.kind is JobKind.CHAT:
+            for j in range(job.params.n):
+                yield _data(_chunk(job, j, {"role": "assistant", "content": ""}))
+        async for i, out in run_job(engine, job):
+            formatting.raise_for_output_error(out)
+            if out.finished:
+                finals[i] = out
+            for c in out.outputs:
+                index = job.choice_index(i, c.index)
+                state = states.setdefault(index, _ChoiceState())
+                chunk = _choice_delta(tokenizer, job, i, out, c, index, state)
+                if chunk is not None:
+                    yield _data(chunk)
+        if job.include_usage:
+            yield _data(_usage_chunk(job, finals))
+    except Exception as exc:  # after the 200 went out, errors travel as an event
+        err = engine_error(exc)
+        yield _data(error_body(err.message, err.status, err.param))
+    yield {"data": DONE}
+
+
+def _choice_delta(
+    tokenizer: Any, job: Job, i: int, out: RequestOutput, c: Any, index: int, state: _ChoiceState
+) -> Optional[dict[str, Any]]:
+    """The chunk for what choice c gained since the last one, or None when nothing changed."""
+    if state.finished:
+        return None
+    text = c.text[state.text_len:]
+    prefix = job.prompt_texts[i] if job.echo and not state.started else ""
+    reason = c.finish_reason
+    logprobs = None
+    if job.logprobs is not None and (len(c.token_ids) > state.num_tokens or prefix):
+        offset = (len(job.prompt_texts[i]) if job.echo else 0) + state.text_len
+        logprobs = formatting.output_logprobs(tokenizer, job, c, state.num_tokens, offset)
+        if prefix:
+            logprobs = formatting.concat_logprobs(formatting.echo_logprobs(tokenizer, job, out, i), logprobs)
+    if not text and not prefix and reason is None and logprobs is None:
+        return None
+    state.started, state.text_len, state.num_tokens = True, len(c.text), len(c.token_ids)
+    state.finished = reason is not None
+    if job.kind is JobKind.CHAT:
+        return _chunk(job, index, {"content": text}, logprobs, reason, c.stop_reason)
+    choice = {"index": index, "text": prefix + text, "logprobs": logprobs,
+              "finish_reason": reason, "stop_reason": c.stop_reason}
+    return _envelope(job, [choice])
+
+
+def _chunk(job: Job, index: int, delta: dict, logprobs: Optional[dict] = None,
+           reason: Optional[str] = None, stop_reason: Any = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    if reason is not None:
+        choice["stop_reason"] = stop_reason
+    return _envelope(job, [choice])
+
+
+def _envelope(job: Job, choices: list[dict]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if job.kind is JobKind.CHAT else "text_completion"
+    return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": choices}
+
+
+def _usage_chunk(job: Job, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    chunk = _envelope(job, [])
+    chunk["usage"] = formatting.usage(job, finals)
+    return chunk
+
+
+def _data(payload: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(payload, ensure_ascii=False)}

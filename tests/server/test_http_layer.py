@@ -1,0 +1,146 @@
+"""HTTP layer against a deterministic fake engine: error shapes, SSE framing, auth, limits.
+
+The fake engine only stands in for the model so framing is checked in milliseconds;
+tests/server/test_serving_real.py runs the same requests against the real engine and model.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from bad_inputs import BAD_INPUTS, MODEL
+from serving_harness import ServerThread, sse_events
+
+
+def post(server, path, body, **kw):
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.base_url + path, content=body, headers={"content-type": "application/json"}, **kw)
+    return httpx.post(server.base_url + path, json=body, **kw)
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_openai_4xx(fake_server, case):
+    _, path, body, status, param = case
+    r = post(fake_server, path, body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["message"]
+    assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    if param is not None:
+        assert err["param"] == param, err
+        assert param in err["message"] or status == 404 or "context length" in err["message"], err
+
+
+def test_server_alive_after_bad_inputs(fake_server):
+    for _, path, body, _, _ in BAD_INPUTS[:10]:
+        post(fake_server, path, body, timeout=30)
+    assert httpx.get(fake_server.base_url + "/health").status_code == 200
+    r = post(fake_server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_context_length_message_has_numbers(fake_server):
+    r = post(fake_server, "/v1/completions", {"prompt": [5] * 200, "max_tokens": 100})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(
+        "This model's maximum context length is 256 tokens. However, you requested 300 tokens "
+        "(200 in the prompt, 100 in the completion).")
+
+
+def test_streamed_completion_framing_n2_usage(fake_server):
+    body = {"prompt": ["Hello", "Bye"], "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 1, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", fake_server.base_url + "/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert "data: [DONE]\n\n" in raw and "\r\n" not in raw
+    events = sse_events(raw.splitlines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 16  # 2 prompts x n=2 x 4
+    text: dict[int, str] = {}
+    finishes: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        assert len(chunk["choices"]) == 1
+        choice = chunk["choices"][0]
+        text[choice["index"]] = text.get(choice["index"], "") + choice["text"]
+        finishes[choice["index"]] = finishes.get(choice["index"], 0) + (choice["finish_reason"] is not None)
+    assert sorted(text) == [0, 1, 2, 3] and finishes == {0: 1, 1: 1, 2: 1, 3: 1}
+    full = post(fake_server, "/v1/completions", {**body, "stream": False, "stream_options": None}).json()
+    assert {c["index"]: c["text"] for c in full["choices"]} == text
+
+
+def test_chat_stream_role_first_with_openai_client(fake_server):
+    client = openai.OpenAI(base_url=fake_server.base_url + "/v1", api_key="x")
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                            n=2, stream=True, temperature=0.7)
+    chunks = list(stream)
+    firsts = {}
+    for ch in chunks:
+        for c in ch.choices:
+            firsts.setdefault(c.index, c.delta)
+    assert set(firsts) == {0, 1} and all(d.role == "assistant" and d.content == "" for d in firsts.values())
+    assert sum(c.finish_reason is not None for ch in chunks for c in ch.choices) == 2
+
+
+def test_completion_logprobs_echo_shape(fake_server):
+    r = post(fake_server, "/v1/completions", {"prompt": "Hello world", "max_tokens": 2, "logprobs": 2, "echo": True})
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == len(lp["text_offset"]) == 2 + 2  # "Hello", " world" + 2 generated
+    assert "".join(lp["tokens"]) == choice["text"] and choice["text"].startswith("Hello world")
+    assert lp["text_offset"] == [0, 5, 11, 11 + len(lp["tokens"][2])]
+
+
+def test_chat_logprobs_shape(fake_server):
+    r = post(fake_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}]}], "max_tokens": 2, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2
+    assert set(content[0]) == {"token", "logprob", "bytes", "top_logprobs"} and len(content[0]["top_logprobs"]) == 2
+
+
+def test_api_key_guards_v1(smol_tokenizer):
+    from engine.async_engine import AsyncLLMEngine
+    from fake_llm_engine import FakeLLMEngine
+    from server.app import create_app
+
+    app = create_app(AsyncLLMEngine(FakeLLMEngine(smol_tokenizer), log_stats=False), api_key="sekret")
+    with ServerThread(app) as s:
+        r = httpx.get(s.base_url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        assert httpx.get(s.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = httpx.get(s.base_url + "/v1/models", headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == MODEL
+        assert httpx.get(s.base_url + "/health").status_code == 200  # only /v1 is guarded
+
+
+def test_body_limit_413(fake_server):
+    r = post(fake_server, "/v1/completions", json.dumps({"prompt": "x" * (2 << 20)}).encode())
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_fault_in_step_kills_engine_503(smol_tokenizer):
+    from engine.async_engine import AsyncLLMEngine
+    from fake_llm_engine import FakeLLMEngine
+    from server.app import create_app
+
+    engine = AsyncLLMEngine(FakeLLMEngine(smol_tokenizer), log_stats=False)
+    with ServerThread(create_app(engine)) as s:
+        assert httpx.get(s.base_url + "/health").status_code == 200
+
+        def boom():
+            raise RuntimeError("injected fault")
+
+        engine.fault_injector = boom
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=10)
+        assert r.status_code == 503 and "injected fault" in r.json()["error"]["message"]
+        assert httpx.get(s.base_url + "/health").status_code == 503
+        r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True},
+                       timeout=10)
+        assert r.status_code == 503

@@ -1,0 +1,78 @@
+"""openapi.yaml (repo root) and the app's generated schema must agree on routes and fields."""
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _resolve(spec: dict, schema: dict) -> dict:
+    while "$ref" in schema:
+        schema = spec["components"]["schemas"][schema["$ref"].split("/")[-1]]
+    return schema
+
+
+def _fields(spec: dict, schema: dict, depth: int = 0) -> Any:
+    """A schema's shape: field names (with nested object fields), required set; types reduced to names."""
+    schema = _resolve(spec, schema)
+    if depth > 6:
+        return "..."
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            return {key: sorted((repr(_fields(spec, s, depth + 1)) for s in schema[key]))}
+    if schema.get("type") == "array":
+        return {"array": _fields(spec, schema.get("items", {}), depth + 1)}
+    if "properties" in schema:
+        return {
+            "properties": {name: _fields(spec, sub, depth + 1) for name, sub in sorted(schema["properties"].items())},
+            "required": sorted(schema.get("required", [])),
+            "extra": schema.get("additionalProperties", True) is not False,
+        }
+    return schema.get("type", "any")
+
+
+def surface(spec: dict) -> dict:
+    """(path, method) -> request body fields and, per status, response fields."""
+    out = {}
+    for path, methods in spec["paths"].items():
+        for method, op in methods.items():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            responses = {}
+            for code, resp in op.get("responses", {}).items():
+                content = resp.get("content", {})
+                responses[code] = {ctype: _fields(spec, c.get("schema", {})) for ctype, c in sorted(content.items())}
+            out[f"{method.upper()} {path}"] = {"request": body and _fields(spec, body), "responses": responses}
+    return out
+
+
+@pytest.fixture(scope="module")
+def generated(smol_tokenizer) -> dict:
+    from engine.async_engine import AsyncLLMEngine
+    from fake_llm_engine import FakeLLMEngine
+    from server.app import create_app
+
+    return create_app(AsyncLLMEngine(FakeLLMEngine(smol_tokenizer), log_stats=False)).openapi()
+
+
+def test_openapi_yaml_matches_app(generated):
+    committed = yaml.safe_load((ROOT / "openapi.yaml").read_text())
+    want, got = surface(committed), surface(generated)
+    assert sorted(want) == sorted(got), "routes/methods differ between openapi.yaml and the app"
+    for route in want:
+        assert want[route] == got[route], f"{route} differs between openapi.yaml and the app"
+
+
+def test_openapi_documents_the_api(generated):
+    routes = surface(generated)
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /version",
+            "POST /tokenize", "POST /detokenize", "GET /metrics"} <= set(routes)
+    completion = routes["POST /v1/completions"]
+    assert {"prompt", "echo", "logprobs", "stream_options", "best_of"} <= set(completion["request"]["properties"])
+    assert completion["request"]["extra"] is False  # unknown fields are rejected, and documented so
+    assert "422" not in completion["responses"] and "400" in completion["responses"]
+    choice = completion["responses"]["200"]["application/json"]["properties"]["choices"]["array"]
+    assert {"index", "text", "logprobs", "finish_reason"} <= set(choice["properties"])
