@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Union
+from typing import Iterable, NamedTuple, Optional, Union
 
 from engine.block_manager import AllocStatus, BlockSpaceManager
 from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
@@ -114,30 +114,16 @@ class Scheduler:
             self._preempt_for_priority(out)
         token_budget = self.max_num_batched_tokens
         num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
-        prompt_limit = min(self.max_model_len, self.max_num_batched_tokens)
         while self.waiting:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
+            status = self.block_manager.can_allocate(group)
+            error = self._never_admissible(group, seqs, status)
+            if error is not None:
+                self._ignore(group, out, error)
+                continue
             num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # before prefix-cache hits
             group_seqs = group.get_max_num_running_seqs()
-            longest = max(seq.get_len() for seq in seqs)
-            if longest > prompt_limit:
-                self._ignore(group, out, f"Input prompt ({longest} tokens) is too long and exceeds the limit of {prompt_limit} tokens.")
-                continue
-            if num_tokens > self.max_num_batched_tokens or group_seqs > self.max_num_seqs:
-                self._ignore(group, out, f"The request needs {num_tokens} tokens in {group_seqs} sequences in one step, more "
-                             f"than --max-num-batched-tokens ({self.max_num_batched_tokens}) or --max-num-seqs "
-                             f"({self.max_num_seqs}) allow.")
-                continue
-            status = self.block_manager.can_allocate(group)
-            if status is AllocStatus.NEVER:
-                bm = self.block_manager
-                needed = sum(bm.blocks_for(seq.get_len()) for seq in seqs)
-                self._ignore(group, out, f"The request ({longest} tokens) needs {needed} KV cache blocks of "
-                             f"{bm.block_size} tokens, but the cache has {bm.num_gpu_blocks} (less the watermark of "
-                             f"{bm.watermark_blocks}): it can never run. Give the KV cache more memory "
-                             "(--gpu-memory-utilization, --kv-cache-space) or send a shorter prompt.")
-                continue
             if status is AllocStatus.LATER or num_tokens > token_budget or num_seqs + group_seqs > self.max_num_seqs:
                 break
             self.waiting.popleft()
@@ -149,6 +135,27 @@ class Scheduler:
             out.scheduled.append(ScheduledGroup(group, True, num_tokens))
             token_budget -= num_tokens
             num_seqs += group_seqs
+
+    def _never_admissible(self, group: SequenceGroup, seqs: list[Sequence], status: AllocStatus) -> Optional[str]:
+        """Why the group could not be scheduled even alone in an empty engine, for the client; None if it can."""
+        longest = max(seq.get_len() for seq in seqs)
+        prompt_limit = min(self.max_model_len, self.max_num_batched_tokens)
+        if longest > prompt_limit:
+            return f"Input prompt ({longest} tokens) is too long and exceeds the limit of {prompt_limit} tokens."
+        num_tokens = sum(seq.get_len() for seq in seqs)
+        num_seqs = group.get_max_num_running_seqs()
+        if num_tokens > self.max_num_batched_tokens or num_seqs > self.max_num_seqs:
+            # Only a group recomputing several sequences, or asking for more than max_num_seqs, gets here.
+            return (f"The request needs {num_tokens} tokens in {num_seqs} sequences in one step, more than "
+                    f"--max-num-batched-tokens ({self.max_num_batched_tokens}) or --max-num-seqs "
+                    f"({self.max_num_seqs}) allow.")
+        if status is AllocStatus.NEVER:
+            bm = self.block_manager
+            needed = sum(bm.blocks_for(seq.get_len()) for seq in seqs)
+            return (f"The request ({longest} tokens) needs {needed} KV cache blocks of {bm.block_size} tokens, but "
+                    f"the cache has {bm.num_gpu_blocks} (less a watermark of {bm.watermark_blocks}): it can never "
+                    "run. Give the KV cache more memory (--gpu-memory-utilization, --kv-cache-space).")
+        return None
 
     def _schedule_decodes(self, out: SchedulerOutput) -> bool:
         """One more token for each running group, preempting the latest arrivals when blocks run out."""
