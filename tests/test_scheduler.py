@@ -20,7 +20,8 @@ def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 16, **overrides) -
 _next_seq_id = [0]
 
 
-def make_group(request_id: str, prompt_len: int, best_of: int = 1, arrival: float = 0.0, priority: int = 0) -> SequenceGroup:
+def make_group(request_id: str, prompt_len: int, best_of: int = 1, arrival: float = 0.0,
+               priority: int = 0) -> SequenceGroup:
     _next_seq_id[0] += 1
     params = SamplingParams(n=1, best_of=best_of, temperature=1.0)
     seq = Sequence(_next_seq_id[0], list(range(prompt_len)))
@@ -42,6 +43,17 @@ def fork_all(sched: Scheduler, group: SequenceGroup) -> None:
         child = parent.fork(_next_seq_id[0])
         group.add(child)
         sched.fork_seq(parent, child)
+
+
+def a_and_forked_b(sched: Scheduler, run_first_step: bool = True) -> tuple[SequenceGroup, SequenceGroup]:
+    """a: one sequence of 16 tokens (2 blocks); b: 12 tokens, best_of=2, forked after its prefill (2 shared blocks)."""
+    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    if run_first_step:
+        finish_step(sched, sched.schedule())
+        fork_all(sched, b)
+    return a, b
 
 
 def ids(queue) -> list[str]:
@@ -144,12 +156,7 @@ def test_recompute_preemption_frees_blocks_and_requeues_at_the_front():
 
 def test_best_of_two_is_preempted_by_swap_and_swapped_come_before_new_prefills():
     sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8)
-    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
-    sched.add_seq_group(a)
-    sched.add_seq_group(b)
-    out = sched.schedule()
-    finish_step(sched, out)
-    fork_all(sched, b)  # b: two sequences sharing 2 blocks
+    a, b = a_and_forked_b(sched)
     assert sched.block_manager.get_num_free_gpu_blocks() == 1
     out = sched.schedule()  # a needs a block; b needs two (one copy-on-write): b goes out
     assert out.num_preempted_swap == 1 and len(out.blocks_to_swap_out) == 2
@@ -172,11 +179,7 @@ def test_best_of_two_is_preempted_by_swap_and_swapped_come_before_new_prefills()
 
 def test_out_of_swap_space_ends_only_that_request():
     sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=1)
-    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
-    sched.add_seq_group(a)
-    sched.add_seq_group(b)
-    finish_step(sched, sched.schedule())
-    fork_all(sched, b)
+    a, b = a_and_forked_b(sched)
     out = sched.schedule()
     assert ids(out.ignored) == ["b"] and all(s.status is SequenceStatus.FINISHED_ERROR for s in b.seqs)
     assert "swap space" in b.error and "--swap-space" in b.error
@@ -201,12 +204,7 @@ def test_infeasible_swap_in_ends_the_request():
 @pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
 def test_abort_in_each_queue_frees_every_block(where):
     sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8)
-    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
-    sched.add_seq_group(a)
-    sched.add_seq_group(b)
-    if where != "waiting":
-        finish_step(sched, sched.schedule())
-        fork_all(sched, b)
+    a, b = a_and_forked_b(sched, run_first_step=where != "waiting")
     if where == "swapped":
         sched.schedule()
     assert ids(getattr(sched, where)) == (["a", "b"] if where != "swapped" else ["b"])
@@ -247,11 +245,7 @@ def test_config_must_be_resolved():
 
 def test_preemption_mode_recompute_applies_to_groups_of_several():
     sched = make_scheduler(num_gpu_blocks=5, preemption_mode=PreemptionMode.RECOMPUTE)
-    a, b = make_group("a", 16, arrival=1.0), make_group("b", 12, best_of=2, arrival=2.0)
-    sched.add_seq_group(a)
-    sched.add_seq_group(b)
-    finish_step(sched, sched.schedule())
-    fork_all(sched, b)
+    a, b = a_and_forked_b(sched)
     out = sched.schedule()
     assert out.num_preempted_recompute == 1 and not out.blocks_to_swap_out
     assert [s.status for s in b.seqs] == [SequenceStatus.WAITING] * 2
