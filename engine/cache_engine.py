@@ -1,0 +1,145 @@
+"""The KV cache: per-layer key/value blocks on the device plus a host swap pool; the only code that moves KV bytes.
+
+Use (the engine, once per process):
+
+    num_gpu, num_cpu = determine_num_blocks(config, hf_config, dtype, device, profile=runner.profile_run)
+    cache = CacheEngine(config.block_size, hf_config, num_gpu, num_cpu, device, dtype)
+    ...each step:
+    cache.apply(out)                              # swap out, swap in, copy: in that order
+    logits, prompt_logits = runner.execute(out, cache.gpu_cache)
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from engine import ops
+from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, num_kv_heads, block_size, head_size] each
+
+
+def _kv_shape(hf_config) -> tuple[int, int, int]:
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return hf_config.num_hidden_layers, kv_heads, head_size
+
+
+def cache_block_bytes(block_size: int, hf_config, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers, keys and values."""
+    layers, kv_heads, head_size = _kv_shape(hf_config)
+    return 2 * layers * kv_heads * block_size * head_size * torch.empty((), dtype=dtype).element_size()
+
+
+class CacheEngine:
+    """Per-layer key and value cache tensors on the device, and the same layout in a host swap pool."""
+
+    def __init__(
+        self, block_size: int, hf_config, num_gpu_blocks: int, num_cpu_blocks: int,
+        device: torch.device, dtype: torch.dtype,
+    ) -> None:
+        self.block_size, self.num_gpu_blocks, self.num_cpu_blocks = block_size, num_gpu_blocks, num_cpu_blocks
+        self.device, self.dtype = torch.device(device), dtype
+        layers, kv_heads, head_size = _kv_shape(hf_config)
+        self.num_layers = layers
+        self.block_shape = (kv_heads, block_size, head_size)
+        # torch.empty: the attention only reads slots it wrote, so zeroing gigabytes would be wasted time.
+        self.gpu_cache: list[KVCache] = self._allocate(num_gpu_blocks, self.device, pin=False)
+        pin = self.device.type == "cuda"  # pinned host memory makes device <-> host copies asynchronous
+        self.cpu_cache: list[KVCache] = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin)
+
+    def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
+        shape = (num_blocks, *self.block_shape)
+        return [
+            (torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin),
+             torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin))
+            for _ in range(self.num_layers)
+        ]
+
+    @staticmethod
+    def _mapping(pairs) -> torch.Tensor:  # [num_pairs, 2] int64, on the CPU as engine.ops wants it
+        return torch.tensor(list(pairs), dtype=torch.int64).view(-1, 2)
+
+    def swap_out(self, mapping: dict[int, int]) -> None:
+        """Device block -> host block, every layer."""
+        self._swap(self.gpu_cache, self.cpu_cache, mapping)
+
+    def swap_in(self, mapping: dict[int, int]) -> None:
+        """Host block -> device block, every layer."""
+        self._swap(self.cpu_cache, self.gpu_cache, mapping)
+
+    def _swap(self, src: list[KVCache], dst: list[KVCache], mapping: dict[int, int]) -> None:
+        if not mapping:
+            return
+        block_mapping = self._mapping(mapping.items())
+        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
+            ops.swap_blocks(src_k, dst_k, block_mapping)
+            ops.swap_blocks(src_v, dst_v, block_mapping)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: (src, dst) device blocks, every layer."""
+        if not pairs:
+            return
+        block_mapping = self._mapping(pairs)
+        ops.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], block_mapping)
+
+    def apply(self, out) -> None:
+        """A SchedulerOutput's cache moves, in the order the scheduler decided them: swap out, swap in, copy."""
+        self.swap_out(out.blocks_to_swap_out)
+        self.swap_in(out.blocks_to_swap_in)
+        self.copy(out.blocks_to_copy)
+
+
+def determine_num_blocks(
+    config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device,
+    profile: Optional[Callable[[], None]] = None,
+) -> tuple[int, int]:
+    """(num_gpu_blocks, num_cpu_blocks) for the config; ValueError naming the flag if max_model_len cannot fit.
+
+    Device blocks: num_gpu_blocks_override, else on CPU kv_cache_space GiB, else on CUDA
+    gpu_memory_utilization of the GPU minus the peak of `profile()` (a max-size forward).
+    Host blocks: num_cpu_blocks_override, else swap_space GiB.
+    """
+    block_bytes = cache_block_bytes(config.block_size, hf_config, dtype)
+    flag = "--num-gpu-blocks-override"
+    if config.num_gpu_blocks_override is not None:
+        num_gpu = config.num_gpu_blocks_override
+    elif torch.device(device).type == "cuda":
+        flag = "--gpu-memory-utilization"
+        num_gpu = _profile_cuda_blocks(config, block_bytes, device, profile)
+    else:
+        flag = "--kv-cache-space"
+        num_gpu = int(config.kv_cache_space * GiB) // block_bytes
+    if config.num_cpu_blocks_override is not None:
+        num_cpu = config.num_cpu_blocks_override
+    else:
+        num_cpu = int(config.swap_space * GiB) // block_bytes
+    max_len = config.max_model_len
+    if max_len is not None and num_gpu * config.block_size < max_len:
+        raise ValueError(
+            f"The KV cache holds {max(num_gpu, 0)} blocks of {config.block_size} tokens "
+            f"({max(num_gpu, 0) * config.block_size} tokens), fewer than max_model_len ({max_len}): "
+            f"raise {flag} or lower --max-model-len."
+        )
+    logger.info("KV cache: %d device blocks, %d host blocks of %d tokens (%.1f KiB each)",
+                num_gpu, num_cpu, config.block_size, block_bytes / 1024)
+    return num_gpu, num_cpu
+
+
+def _profile_cuda_blocks(config: EngineConfig, block_bytes: int, device, profile) -> int:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    if profile is not None:
+        profile()
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    # What this process holds at its peak plus what others hold now; the rest, up to the fraction, is cache.
+    peak = torch.cuda.max_memory_allocated(device) + (total - free - torch.cuda.memory_reserved(device))
+    torch.cuda.empty_cache()
+    return int(total * config.gpu_memory_utilization - peak) // block_bytes

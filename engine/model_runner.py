@@ -1,0 +1,155 @@
+"""SchedulerOutput -> flattened input tensors + attention metadata -> model -> logits.
+
+Use (the engine, each step, after cache_engine.apply(out)):
+
+    runner = ModelRunner(config, model, device)
+    logits, prompt_logits = runner.execute(out, cache_engine.gpu_cache)
+    # logits: [num_rows, vocab] float32, one row per RUNNING sequence of each scheduled group, in order
+    # prompt_logits: {request_id: [num_prompt_tokens_computed, vocab]} for prefills asking prompt_logprobs
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from engine.attention import AttentionMetadata, KVCache, PrefillSpan, make_prefill_bias
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class _Row(NamedTuple):
+    seq: Sequence
+    group: SequenceGroup
+    start: int  # first token computed this step (== seq.num_computed_tokens)
+    end: int  # seq.get_len()
+
+
+class ModelInput(NamedTuple):
+    """Everything one forward needs, built from a SchedulerOutput."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_rows] int64: each row's last token, in the scheduler's row order
+    prompt_rows: dict[str, tuple[int, int]]  # request_id -> token range [a, b) whose logits are prompt logits
+
+
+class ModelRunner:
+    """Runs the model on the sequences a SchedulerOutput schedules; prefill and decode alike."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
+        self.config, self.model, self.device = config, model, torch.device(device)
+        self.block_size = config.block_size
+
+    @torch.inference_mode()
+    def execute(self, out, kv_caches: list[KVCache]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Forward the tokens [num_computed_tokens, get_len()) of every RUNNING sequence of out.scheduled."""
+        inp = self.prepare(out)
+        if inp is None:
+            return torch.empty(0, 0, dtype=torch.float32, device=self.device), {}
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.meta)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_rows, vocab]
+        prompt_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in inp.prompt_rows.items()}
+        return logits, prompt_logits
+
+    def prepare(self, out) -> Optional[ModelInput]:
+        """Flatten the scheduled sequences: multi-token (prefill) rows first, then one token per decode row."""
+        rows = [
+            _Row(seq, sg.group, seq.num_computed_tokens, seq.get_len())
+            for sg in out.scheduled
+            for seq in sg.group.seqs
+            if seq.status is SequenceStatus.RUNNING
+        ]
+        if not rows:
+            return None
+        bs = self.block_size
+        tables = out.block_tables
+        prefill_idx = [i for i, r in enumerate(rows) if r.end - r.start > 1]
+        decode_idx = [i for i, r in enumerate(rows) if r.end - r.start <= 1]
+
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[PrefillSpan] = []
+        last_token = [0] * len(rows)
+        prompt_rows: dict[str, tuple[int, int]] = {}
+        for i in prefill_idx:
+            seq, group, start, end = rows[i]
+            table = tables[seq.seq_id]
+            offset = len(tokens)
+            tokens += seq.all_token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cached_table = None
+            if start > 0:  # the prefix cache holds tokens [0, start): attention reads them back from the blocks
+                cached_table = torch.tensor(table[: (end + bs - 1) // bs], dtype=torch.int32, device=self.device)
+            spans.append(PrefillSpan(offset, len(tokens), end, cached_table))
+            last_token[i] = len(tokens) - 1
+            if group.sampling_params.prompt_logprobs is not None:
+                prompt_end = min(end, len(seq.prompt_token_ids))
+                if prompt_end > start:
+                    prompt_rows[group.request_id] = (offset, offset + prompt_end - start)
+        num_prefill_tokens = len(tokens)
+
+        decode_tables, decode_lens = [], []
+        for i in decode_idx:
+            seq, group, start, end = rows[i]
+            table = tables[seq.seq_id]
+            p = end - 1
+            last_token[i] = len(tokens)
+            if group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
+                prompt_rows[group.request_id] = (len(tokens), len(tokens) + 1)  # a one-token prompt
+            tokens.append(seq.get_last_token_id() if end > 0 else 0)
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            decode_tables.append(table)
+            decode_lens.append(end)
+
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            prefills=spans,
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_bias=make_prefill_bias(spans) if self.device.type == "cuda" else None,
+        )
+        if decode_idx:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables], torch.int32)
+            meta.decode_context_lens = self._tensor(decode_lens, torch.int32)
+        return ModelInput(
+            input_ids=self._tensor(tokens, torch.int64),
+            positions=self._tensor(positions, torch.int64),
+            meta=meta,
+            logits_indices=self._tensor(last_token, torch.int64),
+            prompt_rows=prompt_rows,
+        )
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward of max_num_batched_tokens prompt tokens over max_num_seqs sequences, no cache (CUDA sizing)."""
+        total = self.config.max_num_batched_tokens or 2048
+        num_seqs = max(1, min(self.config.max_num_seqs, total))
+        lens = [total // num_seqs + (1 if i < total % num_seqs else 0) for i in range(num_seqs)]
+        spans, offset = [], 0
+        for n in lens:
+            spans.append(PrefillSpan(offset, offset + n, n))
+            offset += n
+        # Single-token spans would be decodes; as a cache-less profile they are 1-token prefills, which is fine.
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=self.device),
+            prefills=spans,
+            num_prefill_tokens=total,
+            prefill_bias=make_prefill_bias(spans) if self.device.type == "cuda" else None,
+        )
+        vocab = self.model.args.vocab_size
+        input_ids = torch.randint(0, vocab, (total,), device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(input_ids, positions, None, meta)
+        last = torch.tensor([s.end - 1 for s in spans], device=self.device)
+        self.model.compute_logits(hidden[last])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

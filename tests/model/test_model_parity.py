@@ -1,0 +1,123 @@
+"""Our model on the paged cache equals HF transformers: flattened prefill of mixed lengths, then paged decodes."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+from conftest import save_random_model, tiny_llama_config
+from engine.config import EngineConfig
+from engine.loader import load_model
+from paged_batch import PagedBatch, append_greedy, hf_logits
+
+ATOL = RTOL = 1e-4
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+CONFIGS = {
+    "llama-gqa": lambda: tiny_llama_config(),
+    "qwen2-attention-bias": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+    "tied-embeddings": lambda: tiny_llama_config(tie_word_embeddings=True),
+    "rope-linear": lambda: tiny_llama_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "rope-llama3": lambda: tiny_llama_config(rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 500000.0}),
+    "mha-head-dim-32": lambda: tiny_llama_config(num_attention_heads=2, num_key_value_heads=2),
+}
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def check_parity(loaded, hf_model, prompts: list[list[int]], decode_steps: int, atol=ATOL, rtol=RTOL) -> None:
+    """Prefill all prompts in one flattened batch, then decode greedily; every logit row matches HF."""
+    batch = PagedBatch(loaded, block_size=8, num_blocks=128)
+    groups = [batch.add(p, prompt_logprobs=1) for p in prompts]
+    logits, prompt_logits = batch.step(groups)
+    assert logits.shape == (len(prompts), hf_model.config.vocab_size) and logits.dtype == torch.float32
+    for g, p, row in zip(groups, prompts, logits):
+        ref = hf_logits(hf_model, p)
+        torch.testing.assert_close(prompt_logits[g.request_id], ref, atol=atol, rtol=rtol)
+        torch.testing.assert_close(row, ref[-1], atol=atol, rtol=rtol)
+    for _ in range(decode_steps):
+        append_greedy(groups, logits)
+        logits, prompt_logits = batch.step(groups)
+        assert prompt_logits == {}
+        for g, row in zip(groups, logits):
+            torch.testing.assert_close(row, hf_logits(hf_model, g.seqs[0].all_token_ids)[-1], atol=atol, rtol=rtol)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model_pair(request, tmp_path_factory, default_model_dir):
+    folder = save_random_model(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param), default_model_dir)
+    loaded = load_model(EngineConfig(model=str(folder), device="cpu", dtype="float32"))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return loaded, hf_model
+
+
+def test_tiny_models_match_hf(model_pair):
+    loaded, hf_model = model_pair
+    # Lengths cross block boundaries (block_size 8); a 1-token prompt runs on the decode path.
+    check_parity(loaded, hf_model, _prompts(hf_model.config.vocab_size, [5, 17, 1, 33, 8, 9]), decode_steps=4)
+
+
+def test_mixed_prefill_and_decode_in_one_step(model_pair):
+    loaded, hf_model = model_pair
+    vocab = hf_model.config.vocab_size
+    batch = PagedBatch(loaded)
+    old = [batch.add(p) for p in _prompts(vocab, [12, 3], seed=1)]
+    logits, _ = batch.step(old)
+    append_greedy(old, logits)
+    new = batch.add(_prompts(vocab, [20], seed=2)[0])
+    logits, _ = batch.step([old[0], new, old[1]])  # decode, prefill, decode: rows stay in this order
+    for g, row in zip([old[0], new, old[1]], logits):
+        torch.testing.assert_close(row, hf_logits(hf_model, g.seqs[0].all_token_ids)[-1], atol=ATOL, rtol=RTOL)
+
+
+def test_prefill_with_cached_prefix_equals_full_prefill(model_pair):
+    loaded, hf_model = model_pair
+    vocab = hf_model.config.vocab_size
+    shared, tail_a, tail_b = _prompts(vocab, [24, 5, 11], seed=3)
+    batch = PagedBatch(loaded, block_size=8)
+    first = batch.add(shared + tail_a)
+    batch.step([first])
+    prefix_blocks = batch.tables[first.seqs[0].seq_id][:3]  # the 24 shared tokens fill 3 blocks
+    hit = batch.add(shared + tail_b, prompt_logprobs=1, prefix_blocks=prefix_blocks, num_computed=24)
+    fresh = batch.add(shared + tail_b, prompt_logprobs=1)
+    logits, prompt_logits = batch.step([hit, fresh])
+    assert prompt_logits[hit.request_id].shape[0] == len(tail_b)  # only the uncached tokens were computed
+    torch.testing.assert_close(prompt_logits[hit.request_id], prompt_logits[fresh.request_id][24:], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits[0], hf_logits(hf_model, shared + tail_b)[-1], atol=ATOL, rtol=RTOL)
+    append_greedy([hit, fresh], logits)
+    logits, _ = batch.step([hit, fresh])  # decoding on top of shared blocks
+    torch.testing.assert_close(logits[0], logits[1], atol=ATOL, rtol=RTOL)
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path, default_model_dir):
+    from engine.models.llama import LlamaForCausalLM
+
+    config = tiny_llama_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                "short_factor": [1.0] * 8, "long_factor": [1.0] * 8})
+    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported"):
+        LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_model_dir):
+    loaded = load_model(EngineConfig(device="cpu"))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+    return loaded, hf_model
+
+
+def test_default_smollm2_matches_hf(smollm2):
+    loaded, hf_model = smollm2
+    assert loaded.dtype == torch.float32  # dtype auto on CPU
+    tok = loaded.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):", "Hi", "Once upon a time, in a land far, far away, there lived"]
+    prompts = [tok(t).input_ids for t in texts]
+    check_parity(loaded, hf_model, prompts, decode_steps=3, atol=5e-4, rtol=1e-4)
