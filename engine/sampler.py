@@ -131,40 +131,44 @@ class Sampler:
         # Process each distinct row once, then expand to its best_of slots.
         rows = sorted({slot_rows[s] for s in random_slots})
         row_params = _row_params(groups, starts)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
-        temps = torch.tensor([row_params[r].temperature for r in rows], dtype=logits.dtype, device=device)
-        x = logits[rows_t] / temps.unsqueeze(1)
-        top_ps = [row_params[r].top_p for r in rows]
-        top_ks = [row_params[r].top_k for r in rows]
-        if any(p < 1.0 for p in top_ps) or any(k != -1 for k in top_ks):
-            x = apply_top_k_top_p(x, torch.tensor(top_ks, device=device), torch.tensor(top_ps, dtype=x.dtype, device=device))
+        params = [row_params[r] for r in rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+        x = logits[torch.tensor(rows, dtype=torch.long, device=device)] / temps.unsqueeze(1)
+        filtered = [i for i, p in enumerate(params) if p.top_p < 1.0 or p.top_k != -1]
+        if filtered:
+            idx = torch.tensor(filtered, dtype=torch.long, device=device)
+            x[idx] = apply_top_k_top_p(x[idx], [params[i].top_k for i in filtered], [params[i].top_p for i in filtered])
         probs = torch.softmax(x, dim=-1)
-        min_ps = [row_params[r].min_p for r in rows]
-        if any(m > 0.0 for m in min_ps):
-            probs = apply_min_p(probs, torch.tensor(min_ps, dtype=probs.dtype, device=device))
+        if any(p.min_p > 0.0 for p in params):
+            probs = apply_min_p(probs, torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device))
         pos = {r: i for i, r in enumerate(rows)}
-        expanded = probs[torch.tensor([pos[slot_rows[s]] for s in random_slots], dtype=torch.long, device=device)]
-        noise = self._exponential_noise(expanded.shape, groups, starts, slot_rows, random_slots, device)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws exactly from p,
-        # with each row's noise from its own generator.
-        return (expanded / noise).argmax(dim=-1)
+        cdf = probs.cumsum(dim=-1)  # [len(rows), vocab]
+        cdf = cdf[torch.tensor([pos[slot_rows[s]] for s in random_slots], dtype=torch.long, device=device)]
+        # Inverse-CDF sampling (what torch.multinomial does), with one uniform number
+        # per slot: cheap to draw, and each seeded group draws from its own generator.
+        u = self._uniforms(len(random_slots), groups, starts, slot_rows, random_slots, device)
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        # u * total can round up to total (p ~ 2^-24): stay on the last token with mass,
+        # the first position where the cdf reaches its maximum.
+        return torch.minimum(tokens, cdf.argmax(dim=-1))
 
-    def _exponential_noise(self, shape, groups, starts, slot_rows, random_slots, device) -> torch.Tensor:
-        noise = torch.empty(shape, device=device)
+    def _uniforms(self, n, groups, starts, slot_rows, random_slots, device) -> torch.Tensor:  # [n] in [0, 1)
+        u = torch.empty(n, device=device)
         if not any(g.sampling_params.seed is not None for g, _ in groups):
-            return noise.exponential_()
+            return u.uniform_()
         # Slots of one group are contiguous; a seeded group draws from its own
-        # generator only, so its tokens do not depend on the rest of the batch.
+        # generator only, so its tokens do not depend on the rest of the batch,
+        # and it takes nothing from the global generator the others share.
         owner = _row_groups(groups, starts)
         i = 0
-        while i < len(random_slots):
+        while i < n:
             group = owner[slot_rows[random_slots[i]]]
             j = i
-            while j < len(random_slots) and owner[slot_rows[random_slots[j]]] is group:
+            while j < n and owner[slot_rows[random_slots[j]]] is group:
                 j += 1
-            noise[i:j].exponential_(generator=_generator(group, device))
+            u[i:j].uniform_(generator=_generator(group, device))
             i = j
-        return noise
+        return u
 
     # ---- results -----------------------------------------------------------
 
@@ -263,23 +267,41 @@ def _pad(lists: list[list[int]], pad: int, device) -> torch.Tensor:
     )
 
 
+# On CPU a full vocabulary sort per row costs more than the model's decode step;
+# top-p usually keeps a few dozen tokens, so first try the best _HEAD of each row.
+_HEAD = 256
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [num_rows, vocab]
-    top_k: torch.Tensor,  # [num_rows] long, -1 = off
-    top_p: torch.Tensor,  # [num_rows] float, 1.0 = off
+    top_k: list[int],  # -1 = off
+    top_p: list[float],  # 1.0 = off
 ) -> torch.Tensor:  # [num_rows, vocab] with excluded tokens at -inf
+    """HF's TopK then TopP warpers, row by row parameters; every row must enable at least one."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    k = torch.where(top_k < 0, torch.full_like(top_k, vocab), top_k).clamp(max=vocab)
-    # Keep a token if it is at least as large as the k-th largest (ties survive, as in HF).
-    kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    # Drop the low tail whose total mass is <= 1 - p; the top token always stays.
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cum <= (1.0 - top_p).unsqueeze(1)
-    drop[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    ks = [vocab if t < 0 else min(t, vocab) for t in top_k]
+    k = torch.tensor(ks, device=logits.device)
+    p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)
+    head = max(ks)
+    if head > _HEAD and not logits.is_cuda and all(t == -1 or t <= _HEAD for t in top_k):
+        # Rows with top_k <= _HEAD are exact in the head; the others (top-p only)
+        # are exact when the head already holds at least top_p of their mass.
+        vals = logits.topk(_HEAD, dim=-1).values
+        mass = (vals.logsumexp(-1) - logits.logsumexp(-1)).exp()
+        if bool(((k <= _HEAD) | (mass > p)).all()):
+            head = _HEAD
+    if head < vocab:
+        vals, order = logits.topk(head, dim=-1)  # descending
+    else:
+        vals, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(head, device=logits.device)
+    vals = vals.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    # Top-p over the top-k survivors (normalised over them, as HF's warpers chain):
+    # drop a token once the tokens above it already hold top_p of the mass.
+    lse = torch.where(k.unsqueeze(1) <= head, vals.logsumexp(-1, keepdim=True), logits.logsumexp(-1, keepdim=True))
+    mass_above = (vals - lse).exp().cumsum(dim=-1) - (vals - lse).exp()
+    vals = vals.masked_fill((mass_above >= p.unsqueeze(1)) & (ranks > 0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, vals)
 
 
 def apply_min_p(

@@ -60,10 +60,12 @@ def test_logprobs_hold_the_sampled_token_even_outside_the_top_k():
     assert s.logprobs[30] == pytest.approx(float(torch.log_softmax(logits[0], -1)[30]), abs=1e-6)
 
 
-@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (-1, 0.3), (-1, 0.9), (10, 0.5), (VOCAB + 5, 0.99)])
-def test_top_k_top_p_mask_matches_hf(top_k, top_p):
-    logits = rand_logits(3, seed=top_k)
-    ours = apply_top_k_top_p(logits, torch.full((3,), top_k), torch.full((3,), top_p))
+@pytest.mark.parametrize("vocab", [VOCAB, 5000])  # 5000: the top-_HEAD shortcut and its fallback
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (5, 1.0), (-1, 0.3), (-1, 0.9), (-1, 0.999), (10, 0.5),
+                                         (300, 0.9), (VOCAB + 5, 0.99)])
+def test_top_k_top_p_mask_matches_hf(top_k, top_p, vocab):
+    logits = rand_logits(3, seed=top_k, vocab=vocab)
+    ours = apply_top_k_top_p(logits, [top_k] * 3, [top_p] * 3)
     ref = logits.clone()
     if top_k != -1:
         ref = TopKLogitsWarper(top_k)(None, ref)
@@ -75,7 +77,7 @@ def test_top_k_top_p_mask_matches_hf(top_k, top_p):
 
 def test_top_k_top_p_per_row_parameters():
     logits = rand_logits(3, seed=5)
-    ours = apply_top_k_top_p(logits, torch.tensor([2, -1, 4]), torch.tensor([1.0, 0.5, 0.8]))
+    ours = apply_top_k_top_p(logits, [2, -1, 4], [1.0, 0.5, 0.8])
     for r, (k, p) in enumerate([(2, 1.0), (-1, 0.5), (4, 0.8)]):
         ref = logits[r : r + 1].clone()
         if k != -1:
