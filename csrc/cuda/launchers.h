@@ -1,0 +1,63 @@
+// Raw-pointer launchers of the CUDA kernels. Needs only CUDA headers, so the
+// .cu files compile with plain nvcc (scripts/check_cuda.sh) on a machine with
+// no GPU and no CUDA torch; torch_bindings.cpp adapts tensors to these.
+// Cache layout: [num_blocks, num_kv_heads, block_size, head_size].
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pagedserve {
+namespace cuda_kernels {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+
+// Context tokens one thread block handles in the partitioned (v2) kernel.
+constexpr int kPartitionSize = 512;
+
+// Bytes of float32 scratch the attention launch needs (0 when the single-pass
+// kernel is chosen). max_context_len may be an upper bound (block table width
+// times block size), which avoids reading context_lens back to the host.
+size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_size, int max_context_len);
+
+cudaError_t paged_attention_launch(
+    DType dtype,
+    void* out,                  // [num_seqs, num_heads, head_size] contiguous
+    const void* query,          // [num_seqs, num_heads, head_size] rows strided by q_stride_*
+    const void* key_cache,      // [num_blocks, num_kv_heads, block_size, head_size]
+    const void* value_cache,    // [num_blocks, num_kv_heads, block_size, head_size]
+    const int32_t* block_tables,  // [num_seqs, max_blocks_per_seq]
+    const int32_t* context_lens,  // [num_seqs]
+    float* workspace,           // paged_attention_workspace_bytes(...) bytes, or null when that is 0
+    int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
+    int max_context_len, int64_t q_stride_seq, int64_t q_stride_head, float scale, cudaStream_t stream);
+
+cudaError_t reshape_and_cache_launch(
+    const void* key,            // [num_tokens, num_kv_heads, head_size] rows strided by key_stride_*
+    const void* value,          // [num_tokens, num_kv_heads, head_size] rows strided by value_stride_*
+    void* key_cache,            // [num_blocks, num_kv_heads, block_size, head_size]
+    void* value_cache,          // [num_blocks, num_kv_heads, block_size, head_size]
+    const int64_t* slot_mapping,  // [num_tokens] on the device
+    int num_tokens, int num_kv_heads, int head_size, int block_size, int elem_bytes,
+    int64_t key_stride_token, int64_t key_stride_head, int64_t value_stride_token, int64_t value_stride_head,
+    cudaStream_t stream);
+
+// One launch for every layer. Pairs run in parallel: a block must not be both
+// a source and a destination in one call.
+cudaError_t copy_blocks_launch(
+    const int64_t* key_cache_ptrs,    // [num_layers] device array of layer base addresses
+    const int64_t* value_cache_ptrs,  // [num_layers] device array of layer base addresses
+    const int64_t* block_mapping,     // [num_pairs, 2] (src, dst) on the device
+    int num_layers, int num_pairs, int64_t bytes_per_block, bool aligned16, cudaStream_t stream);
+
+// Async block copies between any two of device / pinned host memory, queued on stream.
+cudaError_t swap_blocks_launch(
+    const void* src,                  // [num_src_blocks, ...]
+    void* dst,                        // [num_dst_blocks, ...]
+    const int64_t* block_mapping,     // [num_pairs, 2] (src, dst) in host memory
+    int num_pairs, int64_t bytes_per_block, cudaStream_t stream);
+
+}  // namespace cuda_kernels
+}  // namespace pagedserve
