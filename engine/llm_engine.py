@@ -1,0 +1,171 @@
+"""LLMEngine: one step = schedule -> cache moves -> forward -> sample -> outputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import torch
+
+from engine.cache_engine import CacheEngine, determine_num_blocks
+from engine.config import EngineConfig
+from engine.loader import load_model, model_max_len
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.sampler import Sampler, prompt_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics and the periodic log line."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    gpu_cache_usage: float
+    cpu_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class LLMEngine:
+    """The synchronous engine: add requests, call step() until they finish."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        loaded = load_model(config)
+        self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
+        self.device, self.dtype = loaded.device, loaded.dtype
+        config.resolve(model_max_len(self.hf_config))
+        self.model_runner = ModelRunner(config, self.model, self.device)
+        num_gpu_blocks, num_cpu_blocks = determine_num_blocks(
+            config, self.hf_config, self.dtype, self.device, profile=self.model_runner.profile_run
+        )
+        self.cache_engine = CacheEngine(
+            config.block_size, self.hf_config, num_gpu_blocks, num_cpu_blocks, self.device, self.dtype
+        )
+        self.scheduler = Scheduler(config, num_gpu_blocks, num_cpu_blocks)
+        self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.sampler = Sampler(eos_token_id=self.eos_token_id)
+        self.seq_counter = itertools.count()
+        self.output_processor = OutputProcessor(
+            self.scheduler, self.tokenizer, config.max_model_len, self.eos_token_id, self.seq_counter
+        )
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._preempted_recompute = 0
+        self._preempted_swap = 0
+
+    # -- requests -------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Optional[str] = None,
+        prompt_token_ids: Optional[list[int]] = None,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue one request. ValueError for an empty prompt or token ids outside the vocabulary."""
+        params = params if params is not None else SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt: either a prompt or prompt_token_ids is required.")
+            prompt_token_ids = self.tokenize(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
+        if params.max_tokens is None:  # chat's default: what still fits in the context
+            params.max_tokens = max(1, self.config.max_model_len - len(prompt_token_ids))
+        seq = Sequence(next(self.seq_counter), list(prompt_token_ids))
+        group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> list[SequenceGroup]:
+        """End requests in whichever queue they are; their blocks go back to the pool."""
+        return self.scheduler.abort_seq_group(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    # -- the step -------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward over the batch, sample, and report every touched request."""
+        out = self.scheduler.schedule()
+        self._preempted_recompute += out.num_preempted_recompute
+        self._preempted_swap += out.num_preempted_swap
+        now = time.monotonic()
+        outputs = []
+        for group in out.ignored:
+            group.metrics.finished_time = now
+            outputs.append(self.output_processor.to_request_output(group))
+        self.cache_engine.apply(out)
+        if not out.scheduled:
+            return outputs
+
+        rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled]
+        for sg in out.scheduled:
+            if sg.group.metrics.first_scheduled_time is None:
+                sg.group.metrics.first_scheduled_time = now
+            if sg.is_prefill:
+                self._prompt_tokens_total += sg.num_tokens
+        logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.gpu_cache)
+        self.scheduler.update_computed(out)
+        samples = self.sampler(logits, rows)
+        self._generation_tokens_total += sum(len(seqs) for _, seqs in rows)
+
+        for (group, _), group_samples in zip(rows, samples):
+            params = group.sampling_params
+            if group.request_id in prompt_logits and group.prompt_logprobs is None:
+                group.prompt_logprobs = prompt_logprobs(
+                    prompt_logits[group.request_id], group.prompt_token_ids, params.prompt_logprobs
+                )
+            self.output_processor.process(group, group_samples)
+            if group.is_finished():
+                group.metrics.finished_time = time.monotonic()
+            outputs.append(self.output_processor.to_request_output(group))
+        self.scheduler.free_finished_seq_groups()
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            gpu_cache_usage=bm.gpu_usage(),
+            cpu_cache_usage=bm.cpu_usage(),
+            prefix_cache_hit_rate=bm.prefix_cache_hit_rate(),
+            num_gpu_blocks=self.cache_engine.num_gpu_blocks,
+            num_cpu_blocks=self.cache_engine.num_cpu_blocks,
+            block_size=self.config.block_size,
+            num_preemptions_recompute=self._preempted_recompute,
+            num_preemptions_swap=self._preempted_swap,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
