@@ -1,0 +1,104 @@
+"""The loader: the default model's GGUF -> safetensors cache, HF folders, dummy weights, clear refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import copy_tokenizer, save_random_model, tiny_llama_config
+from engine import loader
+from engine.config import EngineConfig
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+@pytest.mark.slow
+def test_gguf_and_its_converted_cache_give_identical_weights_and_tokenizer(default_model_dir):
+    from_cache = loader.load_model(EngineConfig(device="cpu"))
+    from_gguf = loader.load_model(EngineConfig(model=str(loader.default_gguf_path()), device="cpu"))
+    a, b = _params(from_cache.model), _params(from_gguf.model)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    tok_a, tok_b = from_cache.tokenizer, from_gguf.tokenizer
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert tok_a.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        tok_b.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok_a.eos_token == tok_b.eos_token == "<|im_end|>"
+    text = "Hello world, <|im_start|>user\nhi<|im_end|>"
+    assert tok_a(text).input_ids == tok_b(text).input_ids
+
+
+def test_default_model_folder_keeps_chat_template_and_eos(default_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token_id == 2 and tok.convert_ids_to_tokens(2) == "<|im_end|>"
+    generation = json.loads((default_model_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2
+
+
+def test_interrupted_conversion_leaves_no_cache_behind(tmp_path, monkeypatch, default_model_dir):
+    import transformers
+
+    target = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    # Real tokenizer and a real (tiny) model stand in for the slow GGUF reads; the save is killed halfway.
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: transformers.PreTrainedTokenizerFast.from_pretrained(str(default_model_dir)))
+    tiny = transformers.AutoModelForCausalLM.from_config(tiny_llama_config())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+
+    def killed(model, folder):
+        (folder / "model.safetensors").write_bytes(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, "_save_clean_copy", killed)
+    with pytest.raises(KeyboardInterrupt):
+        loader.convert_gguf_to_hf(loader.default_gguf_path(), target)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+    monkeypatch.undo()
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: transformers.PreTrainedTokenizerFast.from_pretrained(str(default_model_dir)))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    loader.convert_gguf_to_hf(loader.default_gguf_path(), target)
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temp dirs left
+    reloaded = loader.load_model(EngineConfig(model=str(target), device="cpu"))
+    assert torch.equal(reloaded.model.embed_tokens.weight, tiny.model.embed_tokens.weight)
+
+
+def test_dummy_weights_follow_the_seed(tiny_llama_dir):
+    a = loader.load_model(EngineConfig(model=str(tiny_llama_dir), load_format="dummy", device="cpu", seed=1))
+    b = loader.load_model(EngineConfig(model=str(tiny_llama_dir), load_format="dummy", device="cpu", seed=1))
+    real = loader.load_model(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
+    qkv = "layers.0.self_attn.qkv_proj.weight"
+    assert torch.equal(_params(a.model)[qkv], _params(b.model)[qkv])
+    assert not torch.equal(_params(a.model)[qkv], _params(real.model)[qkv])
+    assert torch.equal(a.model.norm.weight, torch.ones_like(a.model.norm.weight))
+
+
+def test_dtype_auto_is_float32_on_cpu_and_explicit_dtype_wins(tiny_llama_dir):
+    assert loader.load_model(EngineConfig(model=str(tiny_llama_dir), device="cpu")).dtype == torch.float32
+    loaded = loader.load_model(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="bfloat16"))
+    assert loaded.dtype == torch.bfloat16 and loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_folder_without_weights_and_unknown_architecture_are_refused(tmp_path, default_model_dir):
+    from transformers import GPT2Config
+
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    tiny_llama_config().save_pretrained(str(empty))
+    copy_tokenizer(default_model_dir, empty)
+    with pytest.raises(ValueError, match="no \\*.safetensors or \\*.bin weights .*--load-format dummy"):
+        loader.load_model(EngineConfig(model=str(empty), device="cpu"))
+    gpt2 = save_random_model(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=49152), tmp_path / "gpt2", default_model_dir)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
+        loader.load_model(EngineConfig(model=str(gpt2), device="cpu"))
+    with pytest.raises(ValueError, match="no such folder or file"):
+        loader.load_model(EngineConfig(model=str(tmp_path / "missing"), device="cpu"))
