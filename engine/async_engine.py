@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
@@ -46,7 +48,9 @@ class _RequestStream:
 class AsyncLLMEngine:
     """Async front of an LLMEngine: requests and aborts go through a queue to one loop task."""
 
-    def __init__(self, engine: Any, *, log_stats: bool = True, stats_interval_s: float = 5.0) -> None:
+    def __init__(
+        self, engine: Any, *, log_stats: bool = True, stats_interval_s: float = 5.0, step_thread_nice: int = 5
+    ) -> None:
         self.engine = engine  # only the loop task (and its executor thread) touches it
         self.metrics = Metrics(engine.config.model_name)
         self.stat_logger = StatLogger(stats_interval_s) if log_stats else None
@@ -58,7 +62,9 @@ class AsyncLLMEngine:
         self._queue: Optional[asyncio.Queue] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine-step", initializer=_lower_priority, initargs=(step_thread_nice,)
+        )
         self._dead: Optional[BaseException] = None
         self._accepting = True
 
@@ -274,3 +280,14 @@ class AsyncLLMEngine:
     def __repr__(self) -> str:
         state = "dead" if self._dead else ("running" if self.is_running else "idle")
         return f"AsyncLLMEngine({self.config.model_name!r}, {state}, {len(self._streams)} in flight)"
+
+
+def _lower_priority(nice: int) -> None:
+    """Nice the step thread (and the OpenMP team it spawns): on a busy CPU the event loop, which answers
+    /health and streams tokens, must not wait behind a forward."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # Linux: per-thread
+    except OSError:
+        pass

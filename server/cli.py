@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/cache line")
+    serve.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats lines while busy")
     return parser
 
 
@@ -71,7 +72,9 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-        engine = AsyncLLMEngine.from_config(config, log_stats=not args.disable_log_stats)
+        engine = AsyncLLMEngine.from_config(
+            config, log_stats=not args.disable_log_stats, stats_interval_s=args.log_stats_interval
+        )
     except ValueError as exc:  # a flag that cannot work: say which, do not print a traceback
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2

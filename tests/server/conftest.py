@@ -26,3 +26,33 @@ def fake_server(smol_tokenizer):
     with ServerThread(create_app(engine)) as server:
         server.engine = engine
         yield server
+
+
+def _real_server(**engine_kwargs):
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from server.app import create_app
+    from serving_harness import ServerThread
+
+    # Small context and cache: fast to allocate, and the default SmolLM2 weights are the real thing.
+    config = EngineConfig(max_model_len=512, kv_cache_space=0.25, swap_space=0.25, **engine_kwargs)
+    engine = AsyncLLMEngine.from_config(config, log_stats=False)
+    return engine, ServerThread(create_app(engine))
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """uvicorn on 127.0.0.1 serving the default SmolLM2 model with the real engine."""
+    engine, server = _real_server(max_num_seqs=64)
+    with server:
+        server.engine = engine
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_batch_server():
+    """The real engine with max_num_seqs=2, so further requests queue in `waiting`."""
+    engine, server = _real_server(max_num_seqs=2)
+    with server:
+        server.engine = engine
+        yield server

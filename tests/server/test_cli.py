@@ -1,0 +1,106 @@
+"""`python -m server.cli serve` as users run it: real uvicorn in its own process, 64 streams, SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from bad_inputs import MODEL
+from serving_harness import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("cli") / "server.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "512", "--kv-cache-space", "0.25", "--swap-space", "0.25", "--max-num-seqs", "64",
+           "--log-stats-interval", "1", "--shutdown-timeout", "5"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        yield proc, base, log
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_serves_default_model(cli_server):
+    _, base, _ = cli_server
+    assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == MODEL
+    r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_64_concurrent_streams_and_health_latency(cli_server):
+    _, base, _ = cli_server
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe():
+        with httpx.Client(timeout=5) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                assert client.get(base + "/health").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, list]:
+        body = {"model": MODEL, "prompt": f"Request {i}: count to ten.", "max_tokens": 8, "ignore_eos": True,
+                "temperature": 0.7, "seed": i, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = []
+        async with client.stream("POST", base + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[5:]))
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]]
+        return chunks[-1]["usage"]["completion_tokens"], finishes
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=100)) as client:
+            return await asyncio.gather(*[one(client, i) for i in range(64)])
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        results = asyncio.run(run())
+    finally:
+        stop.set()
+        prober.join()
+    assert results == [(8, ["length"])] * 64
+    worst = max(latencies)
+    print(f"\n/health under 64 streams: {len(latencies)} probes, max {worst * 1000:.1f} ms, "
+          f"median {sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms")
+    assert worst < 0.100, f"/health took {worst * 1000:.0f} ms under load"
+
+
+def test_stats_line_and_sigterm_exits_cleanly(cli_server):
+    proc, base, log = cli_server
+    r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 40,
+                                                   "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    text = log.read_text()
+    assert "Avg prompt throughput:" in text and "GPU KV cache usage:" in text and "Running:" in text, text[-2000:]
