@@ -8,7 +8,8 @@
 #
 # Env: SMOKE_DIR (scratch, default /tmp/pagedserve-smoke), BASE_IMAGE (default: a local
 # debootstrap'd bookworm, localbase:bookworm), SMOKE_PORT (18080), SMOKE_SERVE_ARGS (extra
-# server flags), KEEP_DOCKERD=1 (leave a dockerd this script started running), IMAGE.
+# server flags, passed through the entrypoint; default "--kv-cache-space 1 --swap-space 1"),
+# KEEP_DOCKERD=1 (leave a dockerd this script started running), IMAGE.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -115,7 +116,7 @@ log "docker run $IMAGE on 127.0.0.1:$PORT"
 "${DOCKER[@]}" run -d --name "$NAME" --network host -e "PAGEDSERVE_PORT=$PORT" \
     -v "$NAME-cache:/home/app/.cache/pagedserve" \
     --ulimit nofile=1024:20000 --ulimit nproc=4096:4096 \
-    "$IMAGE" ${SMOKE_SERVE_ARGS:-} >/dev/null
+    "$IMAGE" ${SMOKE_SERVE_ARGS:---kv-cache-space 1 --swap-space 1} >/dev/null
 healthy=""
 for _ in $(seq 600); do
     if curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then healthy=1; break; fi
@@ -156,4 +157,3 @@ log "docker HEALTHCHECK status: $status"
 [ "$status" = healthy ] || { log "HEALTHCHECK not healthy"; exit 1; }
 "${DOCKER[@]}" exec "$NAME" id -u | sed 's/^/container uid: /' | tee -a "$TIMINGS"
 log "PASSED; timings in $TIMINGS"
-cat "$TIMINGS"
