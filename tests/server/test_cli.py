@@ -8,7 +8,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -17,6 +16,20 @@ from bad_inputs import MODEL
 from serving_harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+# GET /health every 50 ms until a line arrives on stdin; prints the latencies (s) as JSON.
+PROBE = """
+import json, sys, threading, time, httpx
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), done.set()), daemon=True).start()
+out = []
+with httpx.Client(timeout=5) as client:
+    while not done.is_set():
+        t0 = time.perf_counter()
+        assert client.get(sys.argv[1]).status_code == 200
+        out.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+print(json.dumps(out))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +68,10 @@ def test_cli_serves_default_model(cli_server):
 
 def test_64_concurrent_streams_and_health_latency(cli_server):
     _, base, _ = cli_server
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def probe():
-        with httpx.Client(timeout=5) as client:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                assert client.get(base + "/health").status_code == 200
-                latencies.append(time.perf_counter() - t0)
-                time.sleep(0.05)
+    # The probe runs in its own process: in this one it would measure the 64 clients' GIL, not the server.
+    probe = subprocess.Popen([sys.executable, "-c", PROBE, base + "/health"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[int, list]:
         body = {"model": MODEL, "prompt": f"Request {i}: count to ten.", "max_tokens": 8, "ignore_eos": True,
@@ -81,13 +88,10 @@ def test_64_concurrent_streams_and_health_latency(cli_server):
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=100)) as client:
             return await asyncio.gather(*[one(client, i) for i in range(64)])
 
-    prober = threading.Thread(target=probe, daemon=True)
-    prober.start()
     try:
         results = asyncio.run(run())
     finally:
-        stop.set()
-        prober.join()
+        latencies = json.loads(probe.communicate("stop\n", timeout=30)[0])
     assert results == [(8, ["length"])] * 64
     worst = max(latencies)
     print(f"\n/health under 64 streams: {len(latencies)} probes, max {worst * 1000:.1f} ms, "
