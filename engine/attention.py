@@ -84,10 +84,10 @@ class Attention(torch.nn.Module):
 
     def _prefill_sdpa(self, query, key, value, kv_cache: Optional[KVCache], span: PrefillSpan) -> torch.Tensor:
         q = query[span.start:span.end].transpose(0, 1)  # [num_heads, q_len, head_size]
+        mask = None
         if span.num_cached == 0:
             k = key[span.start:span.end].transpose(0, 1)  # [num_kv_heads, q_len, head_size]
             v = value[span.start:span.end].transpose(0, 1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
         else:
             # The prefix cache already holds the first tokens: read the whole context back from the blocks
             # (this step's K/V were just written there too) and offset the causal mask by num_cached.
@@ -95,7 +95,12 @@ class Attention(torch.nn.Module):
             v = _gather_context(kv_cache[1], span.block_table, span.context_len)
             q_len = span.end - span.start
             mask = torch.ones(q_len, span.context_len, dtype=torch.bool, device=q.device).tril(span.num_cached)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # explicit GQA copies: SDPA's enable_gqa falls back to its slow math kernel on CPU
+            k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=self.scale
+        )[0]
         return out.transpose(0, 1)  # [q_len, num_heads, head_size]
 
     def _prefill_xformers(self, query, key, value, bias) -> torch.Tensor:

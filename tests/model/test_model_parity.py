@@ -13,19 +13,21 @@ from engine.loader import load_model
 from paged_batch import PagedBatch, append_greedy, hf_logits
 
 ATOL = RTOL = 1e-4
-TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
+SMALL_VOCAB = 1024  # random token ids; a small head keeps the HF reference cheap
+
 CONFIGS = {
-    "llama-gqa": lambda: tiny_llama_config(),
+    "llama-gqa": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB),
     "qwen2-attention-bias": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
-    "tied-embeddings": lambda: tiny_llama_config(tie_word_embeddings=True),
-    "rope-linear": lambda: tiny_llama_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
-    "rope-llama3": lambda: tiny_llama_config(rope_parameters={
+    "tied-embeddings": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=True),
+    "rope-linear": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "rope-llama3": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32, "rope_theta": 500000.0}),
-    "mha-head-dim-32": lambda: tiny_llama_config(num_attention_heads=2, num_key_value_heads=2),
+    "mha-head-dim-32": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, num_attention_heads=2, num_key_value_heads=2),
 }
 
 
