@@ -187,7 +187,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config, hf_config, device)
     model_cls = get_model_class(hf_config)
     with torch.device("meta"):
-        model = model_cls(hf_config, dtype=dtype)
+        # The RoPE table must cover --max-model-len when it exceeds the checkpoint's (rope-scaled models).
+        model = model_cls(hf_config, dtype=dtype, max_len=max(config.max_model_len or 0, model_max_len(hf_config)))
     model.to_empty(device=device)
     model.tie_weights()
     if fmt is LoadFormat.DUMMY:

@@ -128,8 +128,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.heads + self.kv_heads, self.head_dim)
         qk = RotaryEmbedding.apply(qk, *cos_sin)  # q and k rotated together
-        q, k = qk[:, : self.heads], qk[:, self.heads :].contiguous()
-        v = qkv[:, self.q_size + self.kv_size :].contiguous().view(t, self.kv_heads, self.head_dim)
+        # Strided views, no copies: the cache and attention ops only need each head's vector contiguous.
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.view(t, self.q_size))
 
