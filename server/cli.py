@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -83,11 +84,18 @@ def serve(args: argparse.Namespace) -> int:
                      shutdown_timeout_s=args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
                 config.max_model_len)
-    # uvicorn owns SIGINT/SIGTERM: it stops accepting, gives in-flight requests the timeout, then runs
-    # the lifespan shutdown, which aborts what is left and stops the engine loop.
+    # uvicorn owns SIGINT/SIGTERM while serving: it stops accepting, gives in-flight requests the timeout,
+    # then runs the lifespan shutdown, which aborts what is left and stops the engine loop. Afterwards it
+    # re-raises the signal to the handler it found; a no-op one lets a clean shutdown exit 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _after_graceful_shutdown)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
     return 0
+
+
+def _after_graceful_shutdown(signum: int, frame: object) -> None:
+    logger.info("shut down cleanly after %s", signal.Signals(signum).name)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
