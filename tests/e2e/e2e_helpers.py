@@ -7,9 +7,9 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 # Just above the longest prompt plus MAX_TOKENS: a pressured cache can hold little more than one sequence.
-MAX_MODEL_LEN = 96
+MAX_MODEL_LEN = 80
 
 # Real text of different lengths; the first is a single token, the last crosses several 16-token blocks.
 PROMPTS = [

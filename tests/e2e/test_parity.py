@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_helpers import MAX_TOKENS, greedy, hf_greedy, hf_logprobs, token_ids
+from e2e_helpers import MAX_TOKENS, greedy, hf_greedy, hf_logprobs
 from engine.sampling_params import SamplingParams
 
 LOGPROB_ATOL = 1e-3
