@@ -26,7 +26,8 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self._ref_counts = [0] * num_blocks
+        # Read directly by the block manager's per-step checks (a method call per block costs too much there).
+        self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))  # ref 0 and holding nothing worth keeping
         self._evictor: OrderedDict[int, None] = OrderedDict()  # ref 0, cached; oldest first
         self._hash_of: dict[int, BlockHash] = {}
@@ -38,7 +39,7 @@ class BlockAllocator:
         return len(self._free) + len(self._evictor)
 
     def ref_count(self, block: int) -> int:
-        return self._ref_counts[block]
+        return self.ref_counts[block]
 
     def allocate(self) -> int:
         """A block with ref count 1 and no cached identity; evicts the LRU cached block if needed."""
@@ -49,18 +50,18 @@ class BlockAllocator:
             self._forget(block)
         else:
             raise RuntimeError("Out of KV cache blocks: the caller must check can_allocate / can_append_slots first.")
-        self._ref_counts[block] = 1
+        self.ref_counts[block] = 1
         return block
 
     def incref(self, block: int) -> None:
-        assert self._ref_counts[block] > 0, f"block {block} is free; use take_cached() for cached blocks"
-        self._ref_counts[block] += 1
+        assert self.ref_counts[block] > 0, f"block {block} is free; use take_cached() for cached blocks"
+        self.ref_counts[block] += 1
 
     def free(self, block: int) -> None:
         """Drop one reference; at zero the block becomes free (kept findable if it is cached)."""
-        count = self._ref_counts[block]
+        count = self.ref_counts[block]
         assert count > 0, f"double free of block {block}"
-        self._ref_counts[block] = count - 1
+        self.ref_counts[block] = count - 1
         if count == 1:
             if block in self._hash_of:
                 self._evictor[block] = None
@@ -78,9 +79,9 @@ class BlockAllocator:
 
     def take_cached(self, block: int) -> None:
         """Add a reference to a cached block found by lookup(); a free one leaves the evictor."""
-        if self._ref_counts[block] == 0:
+        if self.ref_counts[block] == 0:
             del self._evictor[block]
-        self._ref_counts[block] += 1
+        self.ref_counts[block] += 1
 
     def register(self, block: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
         """Make a computed full block findable. The first block with given contents wins; duplicates stay private."""

@@ -22,6 +22,16 @@ class AllocStatus(enum.Enum):
     NEVER = enum.auto()
 
 
+def watermark_blocks(num_gpu_blocks: int, watermark: float) -> int:
+    """Device blocks admission keeps free; a prompt fits an empty cache only in num_gpu_blocks minus these."""
+    return int(watermark * num_gpu_blocks)
+
+
+def max_admissible_tokens(block_size: int, num_gpu_blocks: int, watermark: float) -> int:
+    """The longest prompt can_allocate() ever admits (one sequence, empty cache); startup checks compare max_model_len."""
+    return max(num_gpu_blocks - watermark_blocks(num_gpu_blocks, watermark), 0) * block_size
+
+
 class BlockSpaceManager:
     """Maps each sequence's logical blocks to physical blocks, with ref counts, COW, swap and prefix caching."""
 
@@ -38,7 +48,7 @@ class BlockSpaceManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         # Blocks kept free at admission so running sequences can grow without preempting at once.
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.watermark_blocks = watermark_blocks(num_gpu_blocks, watermark)
         self.gpu = BlockAllocator(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockAllocator(num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}  # seq_id -> device blocks
@@ -119,29 +129,40 @@ class BlockSpaceManager:
 
     # -- decoding ------------------------------------------------------------------
 
-    def _needs_cow(self, seq: Sequence, table: BlockTable) -> bool:
-        # The next forward writes from token num_computed_tokens on; a shared block there must be copied first.
-        first_written = seq.num_computed_tokens // self.block_size
-        return first_written < len(table) and self.gpu.ref_count(table[first_written]) > 1
+    # The decode step calls these two for every running sequence: they read the tables and ref counts directly.
+
+    def num_append_blocks(self, seqs: list[Sequence]) -> int:
+        """Fresh blocks the next append_slots() of these sequences takes: growth plus copy-on-write."""
+        size = self.block_size
+        refs = self.gpu.ref_counts
+        num_required = 0
+        for seq in seqs:
+            table = self.block_tables[seq.seq_id]
+            num_blocks = len(table)
+            grow = (seq.get_len() + size - 1) // size - num_blocks
+            if grow > 0:  # never negative: the scheduler reads 0 as "nothing to append"
+                num_required += grow
+            # The next forward writes from token num_computed_tokens on; a shared block there must be copied first.
+            first_written = seq.num_computed_tokens // size
+            if first_written < num_blocks and refs[table[first_written]] > 1:
+                num_required += 1
+        return num_required
 
     def can_append_slots(self, group: SequenceGroup) -> bool:
-        num_required = 0
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            table = self.block_tables[seq.seq_id]
-            num_required += self.blocks_for(seq.get_len()) - len(table) + self._needs_cow(seq, table)
-        return num_required <= self.gpu.num_free()
+        return self.num_append_blocks(group.get_seqs(SequenceStatus.RUNNING)) <= self.gpu.num_free()
 
     def append_slots(self, seq: Sequence) -> Optional[tuple[int, int]]:
         """Grow the table to cover get_len() tokens; returns the (src, dst) copy when the written block was shared."""
         table = self.block_tables[seq.seq_id]
+        size = self.block_size
         cow = None
-        if self._needs_cow(seq, table):
-            index = seq.num_computed_tokens // self.block_size
+        index = seq.num_computed_tokens // size
+        if index < len(table) and self.gpu.ref_counts[table[index]] > 1:
             src, dst = table[index], self.gpu.allocate()
             self.gpu.free(src)  # still held by the siblings that share it
             table[index] = dst
             cow = (src, dst)
-        for _ in range(self.blocks_for(seq.get_len()) - len(table)):
+        for _ in range((seq.get_len() + size - 1) // size - len(table)):
             table.append(self.gpu.allocate())
         return cow
 

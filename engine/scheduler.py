@@ -102,8 +102,6 @@ class Scheduler:
         for group, _, num_tokens in out.scheduled:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                out.block_tables[seq.seq_id] = self.block_manager.get_block_table(seq)
             out.num_batched_tokens += num_tokens
         return out
 
@@ -133,6 +131,8 @@ class Scheduler:
             self.running.append(group)
             num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # after prefix-cache hits
             out.scheduled.append(ScheduledGroup(group, True, num_tokens))
+            for seq in seqs:
+                out.block_tables[seq.seq_id] = self.block_manager.block_tables[seq.seq_id]
             token_budget -= num_tokens
             num_seqs += group_seqs
 
@@ -158,27 +158,35 @@ class Scheduler:
         return None
 
     def _schedule_decodes(self, out: SchedulerOutput) -> bool:
-        """One more token for each running group, preempting the latest arrivals when blocks run out."""
+        """One more token for each running group, preempting the latest arrivals when blocks run out.
+
+        The hot loop of every decode step: each group's running sequences are listed once.
+        """
         bm = self.block_manager
         preempted = False
         queue, self.running = self.running, deque()
         while queue:
             group = queue.popleft()
-            if group.is_finished():
+            seqs = [seq for seq in group.seqs if seq.status is SequenceStatus.RUNNING]
+            if not seqs and group.is_finished():
                 self._finish(group, SequenceStatus.FINISHED_ABORTED)  # frees what the engine left; statuses stay
                 continue
-            while not bm.can_append_slots(group):
+            num_new_blocks = bm.num_append_blocks(seqs)
+            while num_new_blocks > bm.get_num_free_gpu_blocks():
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
                 preempted = True
                 if victim is group:
                     break
+                num_new_blocks = bm.num_append_blocks(seqs)  # a victim may have shared a block with this group
             else:
-                self._append_slots(group, out)
+                self._append_slots(group, seqs, out, grows=num_new_blocks > 0)
                 self.running.append(group)
         return preempted
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        if not self.swapped:
+            return
         bm = self.block_manager
         num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
         while self.swapped:
@@ -196,19 +204,30 @@ class Scheduler:
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.update(bm.swap_in(group))
-            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            self._append_slots(group, out)
+            self._append_slots(group, seqs, out)
             self.running.append(group)
             num_seqs += group_seqs
 
-    def _append_slots(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _append_slots(self, group: SequenceGroup, seqs: list[Sequence], out: SchedulerOutput,
+                      grows: bool = True) -> None:
+        """Schedule a decode of `seqs`, the group's RUNNING sequences, growing (or copying) their last blocks.
+
+        `grows` False (num_append_blocks was 0): every next token has room in an unshared block, the
+        common decode step, so the tables stay as they are.
+        """
+        bm = self.block_manager
+        tables = bm.block_tables
         num_tokens = 0
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            cow = self.block_manager.append_slots(seq)
-            if cow is not None:
-                out.blocks_to_copy.append(cow)
-            num_tokens += seq.num_uncomputed_tokens()
+        for seq in seqs:
+            if grows:
+                cow = bm.append_slots(seq)
+                if cow is not None:
+                    out.blocks_to_copy.append(cow)
+            num_tokens += seq.get_len() - seq.num_computed_tokens
+            out.block_tables[seq.seq_id] = tables[seq.seq_id]
         out.scheduled.append(ScheduledGroup(group, False, num_tokens))
 
     # -- preemption ----------------------------------------------------------------
@@ -276,10 +295,13 @@ class Scheduler:
 
     def update_computed(self, out: SchedulerOutput) -> None:
         """Call right after the forward, before new tokens are appended: what ran now has K/V in the cache."""
+        caching = self.block_manager.enable_prefix_caching
         for group, _, _ in out.scheduled:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.num_computed_tokens = seq.get_len()
-            self.block_manager.mark_blocks_as_computed(group)
+            for seq in group.seqs:
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.num_computed_tokens = seq.get_len()
+            if caching:
+                self.block_manager.mark_blocks_as_computed(group)
 
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent, child)

@@ -59,6 +59,22 @@ def test_can_allocate_watermark_later_and_never():
     assert bm.can_allocate(make_group("three", list(range(12)), 4)) is AllocStatus.OK  # 5 - 3 == 2
 
 
+def test_allocate_with_watermark_exact_free_counts():
+    bm = BlockSpaceManager(BS, num_gpu_blocks=10, num_cpu_blocks=0, watermark=0.2)
+    assert bm.watermark_blocks == 2
+    a = make_group("a", list(range(16)), 0)  # 4 blocks
+    b = make_group("b", list(range(16)), 1)  # 4 more would leave 2 == watermark: still OK
+    c = make_group("c", [1], 2)  # 1 more would leave 1 < 2
+    for group, free_after in ((a, 6), (b, 2)):
+        assert bm.can_allocate(group) is AllocStatus.OK
+        bm.allocate(group)
+        assert bm.get_num_free_gpu_blocks() == free_after
+    assert bm.can_allocate(c) is AllocStatus.LATER
+    bm.free(a.seqs[0])
+    assert bm.get_num_free_gpu_blocks() == 6 and bm.can_allocate(c) is AllocStatus.OK
+    assert_ref_counts_match_tables(bm)
+
+
 def test_append_slots_grows_one_block_at_the_boundary():
     bm = BlockSpaceManager(BS, 10, 0, watermark=0.0)
     group = make_group("a", [1, 2, 3, 4], 0)
@@ -256,3 +272,46 @@ def test_prompt_logprobs_requests_compute_the_whole_prompt():
     bm.allocate(b)
     assert b.seqs[0].num_computed_tokens == 0
     assert set(bm.get_block_table(b.seqs[0])).isdisjoint(bm.get_block_table(a.seqs[0]))
+
+
+def test_lru_eviction_ties_evict_the_block_with_more_tokens_first():
+    """Blocks freed together tie on recency: the chain's tail (more tokens) goes first, its shared head stays."""
+    bm = prefix_manager(num_gpu_blocks=5)
+    prompt = list(range(13))  # 3 full blocks (4, 8, 12 tokens of prefix) + 1 partial
+    a = make_group("a", prompt, 0)
+    bm.allocate(a)
+    run(a)
+    computed(bm, a)
+    head, middle, tail = bm.get_block_table(a.seqs[0])[:3]
+    bm.free(a.seqs[0])
+    assert bm.get_num_free_gpu_blocks() == 5 and bm.gpu.num_cached() == 3
+    # 3 fresh blocks: the 2 uncached free ones, then one eviction, which must take the 12-token tail.
+    other = make_group("other", [50 + i for i in range(12)], 1)
+    bm.allocate(other)
+    assert tail in bm.get_block_table(other.seqs[0])
+    assert bm.gpu.num_cached() == 2 and bm.get_num_free_gpu_blocks() == 2
+    probe = make_group("probe", prompt, 2)
+    assert bm.can_allocate(probe) is AllocStatus.LATER  # 4 blocks, 2 revived from cache + 2 fresh > 2 free
+    bm.free(other.seqs[0])
+    bm.allocate(probe)
+    assert probe.seqs[0].num_computed_tokens == 8  # head and middle survived
+    assert bm.get_block_table(probe.seqs[0])[:2] == [head, middle]
+    assert bm.prefix_cache_hit_rate() == pytest.approx(2 / 8)  # a: 0 of 3, other: 0 of 2, probe: 2 of 3
+    assert_ref_counts_match_tables(bm)
+
+
+def test_hash_chain_keys_a_block_by_its_whole_prefix():
+    from engine.block_allocator import NO_PREFIX_HASH, hash_block
+
+    first = hash_block(NO_PREFIX_HASH, (1, 2, 3, 4))
+    assert hash_block(first, (5, 6, 7, 8)) != hash_block(hash_block(NO_PREFIX_HASH, (0, 2, 3, 4)), (5, 6, 7, 8))
+    bm = prefix_manager()
+    a = make_group("a", list(range(1, 10)), 0)
+    bm.allocate(a)
+    run(a)
+    computed(bm, a)  # promotion: the 2 full blocks become findable under their chained hashes
+    table = bm.get_block_table(a.seqs[0])
+    assert bm.gpu.lookup(first, (1, 2, 3, 4)) == table[0]
+    assert bm.gpu.lookup(hash_block(first, (5, 6, 7, 8)), (5, 6, 7, 8)) == table[1]
+    assert bm.gpu.lookup(hash_block(NO_PREFIX_HASH, (5, 6, 7, 8)), (5, 6, 7, 8)) is None
+    assert not bm.gpu.is_cached(table[2])  # the partial block is not promoted

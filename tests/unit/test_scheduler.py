@@ -1,4 +1,8 @@
 """Scheduler: queues, budgets, preemption by recompute and swap, aborts, and errors a client can read."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
@@ -106,6 +110,8 @@ def test_too_long_prompt_is_ignored_not_queued():
     assert "65 tokens" in out.ignored[0].error and "64" in out.ignored[0].error
     assert ids(s.group for s in out.scheduled) == ["ok"]
     assert sched.get_num_unfinished_seq_groups() == 1
+    assert ids(sched.waiting) == [] and ids(sched.running) == ["ok"]
+    assert sched.block_manager.get_num_free_gpu_blocks() == 15  # only "ok" holds a block
 
 
 def test_prompt_that_never_fits_the_cache_ends_with_an_error():
@@ -284,3 +290,31 @@ def test_priority_policy_preempts_lower_priority_running_groups():
     assert out.num_preempted_recompute == 1 and ids(s.group for s in out.scheduled) == ["urgent"]
     assert ids(sched.running) == ["low-new", "urgent"] and ids(sched.waiting) == ["low-old", "later"]
     assert low_old.seqs[0].num_computed_tokens == 0 and sched.block_manager.get_num_free_gpu_blocks() == 0
+
+
+def test_engine_core_never_imports_torch():
+    """The scheduler runs on a CPU-only frontend too: no torch import behind it."""
+    code = ("import sys; import engine.block_allocator, engine.block_manager, engine.scheduler; "
+            "print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_watermark_blocks_admission_matches_the_startup_helper():
+    """max_admissible_tokens() is what can_allocate admits in an empty cache: the startup check's bound."""
+    from engine.block_manager import max_admissible_tokens, watermark_blocks
+
+    sched = make_scheduler(num_gpu_blocks=8, watermark=0.25, max_model_len=64)  # 2 watermark blocks: 48 tokens
+    assert watermark_blocks(8, 0.25) == 2 and max_admissible_tokens(BS, 8, 0.25) == 48
+    sched.add_seq_group(make_group("fits", 48))
+    sched.add_seq_group(make_group("over", 49))
+    out = sched.schedule()
+    assert ids(s.group for s in out.scheduled) == ["fits"]
+    # 49 tokens pass max_model_len (64) but never fit beside the watermark: ended, not queued forever.
+    assert ids(out.ignored) == ["over"] and "7 KV cache blocks" in out.ignored[0].error
+    assert out.ignored[0].seqs[0].status is SequenceStatus.FINISHED_IGNORED
+    assert ids(sched.waiting) == [] and ids(sched.running) == ["fits"]
+    assert sched.block_manager.get_num_free_gpu_blocks() == 2
+    sched.abort_seq_group("fits")
+    assert not sched.has_unfinished_seqs() and sched.block_manager.get_num_free_gpu_blocks() == 8
