@@ -1,0 +1,138 @@
+"""Helpers of the reliability suite: real uvicorn servers around the real engine and a tiny random Llama.
+
+The HTTP helpers (ServerThread, sse_events, metric) come from tests/server/serving_harness.py, reused as is.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Iterator, Optional
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "server"))  # serving_harness: run alone, tests/server is not on the path
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from serving_harness import ServerThread, free_port, metric, sse_events  # noqa: E402
+
+# Figures of the last run, for docs/reliability.md (outside the repo: nothing to commit by accident).
+REPORT = pathlib.Path(os.environ.get("PAGEDSERVE_RELIABILITY_REPORT", "/tmp/pagedserve-reliability.json"))
+
+
+def record(section: str, figures: dict[str, Any]) -> None:
+    """Merge one test's figures into the report file and print them (pytest -s shows them)."""
+    data = json.loads(REPORT.read_text()) if REPORT.exists() else {}
+    data[section] = figures
+    REPORT.write_text(json.dumps(data, indent=2, sort_keys=True))
+    print(f"\n[{section}] {figures}")
+
+
+@contextlib.contextmanager
+def serve(model_dir: pathlib.Path, **config: Any) -> Iterator[ServerThread]:
+    """A real uvicorn server (in this process, a thread) around AsyncLLMEngine(LLMEngine(config)).
+
+    In-process so a test can read the block manager itself; `server.engine` is the AsyncLLMEngine.
+    """
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+    from server.app import create_app
+
+    fields = dict(model=str(model_dir), max_model_len=128, block_size=16, num_gpu_blocks_override=256,
+                  num_cpu_blocks_override=64, seed=0)
+    fields.update(config)
+    engine = AsyncLLMEngine.from_config(EngineConfig(**fields), log_stats=False)
+    with ServerThread(create_app(engine, served_model_name="tiny")) as server:
+        server.engine = engine
+        yield server
+
+
+def wait_engine_idle(server: ServerThread, timeout_s: float = 30.0) -> None:
+    """Until the engine holds no request and no stream: aborts travel through the loop's queue."""
+    eng = server.engine
+    deadline = time.monotonic() + timeout_s
+    while eng.engine.has_unfinished_requests() or eng._streams or (eng._queue is not None and not eng._queue.empty()):
+        assert time.monotonic() < deadline, f"engine not idle after {timeout_s} s: {eng!r}"
+        time.sleep(0.05)
+    time.sleep(0.2)  # the loop refreshes the gauges when it goes idle
+
+
+def leaked_blocks(server: ServerThread) -> dict[str, int]:
+    """Device and swap blocks not in the pool, and block tables still held, read off the block manager."""
+    bm = server.engine.engine.scheduler.block_manager
+    return {
+        "gpu_blocks": bm.num_gpu_blocks - bm.get_num_free_gpu_blocks(),
+        "cpu_blocks": bm.num_cpu_blocks - bm.get_num_free_cpu_blocks(),
+        "block_tables": len(bm.block_tables) + len(bm.cpu_block_tables),
+    }
+
+
+def gauges(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    names = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+             "cpu_cache_usage_perc")
+    return {k: metric(text, f"pagedserve:{k}") for k in names}
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> dict[str, Any]:
+    """POST a stream=true body; the joined text per choice, finish reasons, usage, and any error event."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, Optional[str]] = {}
+    result: dict[str, Any] = {"status": None, "error": None, "usage": None, "done": False, "chunks": 0}
+    async with client.stream("POST", url, json={**body, "stream": True,
+                                                "stream_options": {"include_usage": True}}) as r:
+        result["status"] = r.status_code
+        if r.status_code != 200:
+            await r.aread()
+            result["error"] = r.json().get("error")
+            return result
+        lines = [line async for line in r.aiter_lines()]
+    for event in sse_events(lines):
+        if event == "[DONE]":
+            result["done"] = True
+        elif "error" in event:
+            result["error"] = event["error"]
+        elif event.get("usage"):
+            result["usage"] = event["usage"]
+        for c in event.get("choices", []) if isinstance(event, dict) else []:
+            result["chunks"] += 1
+            texts[c["index"]] = texts.get(c["index"], "") + c.get("text", "")
+            if c.get("finish_reason"):
+                reasons[c["index"]] = c["finish_reason"]
+    result["texts"] = [texts[i] for i in sorted(texts)]
+    result["finish_reasons"] = [reasons.get(i) for i in sorted(texts)]
+    return result
+
+
+def start_cli_server(args: list[str], log_path: pathlib.Path, timeout_s: float = 180.0):
+    """`python -m server.cli serve ...` (what the `pagedserve` script runs) in its own process; (proc, base_url)."""
+    import subprocess
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    out = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("server did not come up")
+        time.sleep(0.3)
+
+
+def run(coro):
+    return asyncio.run(coro)
