@@ -116,6 +116,7 @@ def smollm2(default_model_dir):
     return loaded, hf_model
 
 
+@pytest.mark.slow
 def test_default_smollm2_matches_hf(smollm2):
     loaded, hf_model = smollm2
     assert loaded.dtype == torch.float32  # dtype auto on CPU
