@@ -195,10 +195,14 @@ class BlockSpaceManager:
         running = group.get_seqs(SequenceStatus.RUNNING)
         return self._unique_blocks(self.block_tables, running) <= self.cpu.num_free()
 
-    def swap_out(self, group: SequenceGroup) -> dict[int, int]:
-        """Move the RUNNING sequences' blocks to the swap pool; returns {gpu_block: cpu_block}."""
+    def swap_out(self, group: SequenceGroup, mapping: Optional[dict[int, int]] = None) -> dict[int, int]:
+        """Move the RUNNING sequences' blocks to the swap pool; returns {gpu_block: cpu_block}.
+
+        Pass the step's mapping so far: a block another group swapped out in this step (a shared
+        prefix-cache block) then maps to the same cpu block, which a {src: dst} dict can express.
+        """
         mapping = self._move(group.get_seqs(SequenceStatus.RUNNING), self.block_tables, self.gpu,
-                             self.cpu_block_tables, self.cpu)
+                             self.cpu_block_tables, self.cpu, mapping)
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             # The device blocks change on the way back; mark_blocks_as_computed re-registers them then.
             self._seq_hashes[seq.seq_id] = []
@@ -214,16 +218,20 @@ class BlockSpaceManager:
             return AllocStatus.LATER
         return AllocStatus.OK
 
-    def swap_in(self, group: SequenceGroup) -> dict[int, int]:
-        """Bring the SWAPPED sequences' blocks back to the device; returns {cpu_block: gpu_block}."""
+    def swap_in(self, group: SequenceGroup, mapping: Optional[dict[int, int]] = None) -> dict[int, int]:
+        """Bring the SWAPPED sequences' blocks back to the device; returns {cpu_block: gpu_block} (see swap_out)."""
         return self._move(group.get_seqs(SequenceStatus.SWAPPED), self.cpu_block_tables, self.cpu,
-                          self.block_tables, self.gpu)
+                          self.block_tables, self.gpu, mapping)
 
     @staticmethod
     def _move(seqs: list[Sequence], src_tables: dict[int, BlockTable], src: BlockAllocator,
-              dst_tables: dict[int, BlockTable], dst: BlockAllocator) -> dict[int, int]:
-        # A block shared by siblings moves once and stays shared, with the same ref count, on the other side.
-        mapping: dict[int, int] = {}
+              dst_tables: dict[int, BlockTable], dst: BlockAllocator,
+              mapping: Optional[dict[int, int]] = None) -> dict[int, int]:
+        # A block shared by siblings (or, within one step, by groups) moves once and stays shared on the other side.
+        # Within one step a source block id keeps its contents: blocks freed here are only reused by groups
+        # that are not moved again in the same step.
+        if mapping is None:
+            mapping = {}
         for seq in seqs:
             new_table = []
             for block in src_tables.pop(seq.seq_id):

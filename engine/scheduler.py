@@ -172,7 +172,7 @@ class Scheduler:
                 self._finish(group, SequenceStatus.FINISHED_ABORTED)  # frees what the engine left; statuses stay
                 continue
             num_new_blocks = bm.num_append_blocks(seqs)
-            while num_new_blocks > bm.get_num_free_gpu_blocks():
+            while num_new_blocks and num_new_blocks > bm.get_num_free_gpu_blocks():
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
                 preempted = True
@@ -203,7 +203,7 @@ class Scheduler:
             if status is AllocStatus.LATER or num_seqs + group_seqs > self.max_num_seqs:
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in.update(bm.swap_in(group))
+            bm.swap_in(group, out.blocks_to_swap_in)
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
@@ -267,7 +267,7 @@ class Scheduler:
                            f"{bm.get_num_free_cpu_blocks()} free swap blocks. Raise --swap-space.")
             out.ignored.append(group)
             return
-        out.blocks_to_swap_out.update(bm.swap_out(group))
+        bm.swap_out(group, out.blocks_to_swap_out)
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             seq.status = SequenceStatus.SWAPPED
         self.swapped.appendleft(group)

@@ -218,3 +218,14 @@ def test_random_workloads_match_the_unpreempted_run_or_fail_cleanly(requests, nu
     for request_id, result in results.items():
         # A request either produces exactly the unpreempted output or ends with an error naming its cause.
         assert result == reference[request_id] or (isinstance(result, str) and "--" in result), result
+
+
+def test_prefix_block_shared_by_two_groups_swapped_out_in_one_step():
+    """r1 and r2 share a prefix-cached block; both are swapped out in one step, then resume with the right K/V.
+
+    A {gpu: cpu} mapping holds one destination per block, so the second group must reuse the first's cpu copy.
+    """
+    requests = [Request((0,), 1, 2), Request((0, 0, 0, 0, 0, 2, 0, 0, 0), 2, 2), Request((0, 0, 0, 0, 0, 2, 0, 0, 0), 2, 2)]
+    reference, _ = simulate(requests, num_gpu_blocks=400)
+    results, events = simulate(requests, num_gpu_blocks=4, num_cpu_blocks=4, enable_prefix_caching=True)
+    assert events["swap"] == 2 and results == reference
