@@ -97,10 +97,13 @@ bool built_with_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedserve paged-attention and KV-cache ops";
-  m.def("paged_attention", &paged_attention,
+  // The ops run with the GIL released: the engine steps on a worker thread, and the
+  // server's event loop must keep answering (health checks, new requests) meanwhile.
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention", &paged_attention, release_gil(),
         "decode attention over a paged KV cache (writes out)");
-  m.def("reshape_and_cache", &reshape_and_cache, "write new K/V rows into their cache slots");
-  m.def("copy_blocks", &copy_blocks, "copy blocks inside every layer's cache");
-  m.def("swap_blocks", &swap_blocks, "copy blocks between two cache tensors");
+  m.def("reshape_and_cache", &reshape_and_cache, release_gil(), "write new K/V rows into their cache slots");
+  m.def("copy_blocks", &copy_blocks, release_gil(), "copy blocks inside every layer's cache");
+  m.def("swap_blocks", &swap_blocks, release_gil(), "copy blocks between two cache tensors");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");
 }
