@@ -129,11 +129,7 @@ class LLMEngine:
             return outputs
 
         rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled]
-        for sg in out.scheduled:
-            if sg.group.metrics.first_scheduled_time is None:
-                sg.group.metrics.first_scheduled_time = now
-            if sg.is_prefill:
-                self._prompt_tokens_total += sg.num_tokens
+        self._prompt_tokens_total += sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
         logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.gpu_cache)
         self.scheduler.update_computed(out)
         samples = self.sampler(logits, rows)
