@@ -45,6 +45,10 @@ class Metrics:
         self.prefix_cache_hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hit rate, 0..1.")
         # prometheus_client appends `_total` to counters: these expose e.g. pagedserve:prompt_tokens_total.
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        # vLLM's total has no mode; recompute and swap cost differently, so operators also get them apart.
+        self.num_preemptions_by_mode = counter(
+            "num_preemptions_by_mode", "Cumulative number of preemptions, by mode (recompute, swap).", ("mode",)
+        )
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("request_success", "Count of successfully finished requests.", ("finished_reason",))
@@ -57,7 +61,7 @@ class Metrics:
         )
         self.cache_config = Info(PREFIX + "cache_config", "The KV cache configuration.", registry=self.registry)
         # The engine's counters are cumulative; Prometheus counters only grow by increments.
-        self._last_counters = {"preemptions": 0, "prompt": 0, "generation": 0}
+        self._last_counters = {"preemptions": 0, "prompt": 0, "generation": 0, "recompute": 0, "swap": 0}
 
     def set_cache_config(self, stats: Any) -> None:
         self.cache_config.info(
@@ -82,12 +86,19 @@ class Metrics:
             "preemptions": stats.num_preemptions_recompute + stats.num_preemptions_swap,
             "prompt": stats.prompt_tokens_total,
             "generation": stats.generation_tokens_total,
+            "recompute": stats.num_preemptions_recompute,
+            "swap": stats.num_preemptions_swap,
         }
-        counters = {"preemptions": self.num_preemptions, "prompt": self.prompt_tokens, "generation": self.generation_tokens}
+        counters = {
+            "preemptions": self.num_preemptions.labels(m), "prompt": self.prompt_tokens.labels(m),
+            "generation": self.generation_tokens.labels(m),
+            "recompute": self.num_preemptions_by_mode.labels(m, "recompute"),
+            "swap": self.num_preemptions_by_mode.labels(m, "swap"),
+        }
         for key, value in current.items():
             delta = value - self._last_counters[key]
             if delta > 0:
-                counters[key].labels(m).inc(delta)
+                counters[key].inc(delta)
             self._last_counters[key] = value
 
     def record_finished(self, output: RequestOutput) -> None:

@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import __version__
 from server.errors import error_response, install_error_handlers
@@ -34,7 +34,43 @@ class GuardMiddleware:
         if length.isdigit() and int(length) > self.max_body_bytes:
             message = f"The request body is {length} bytes; the limit is {self.max_body_bytes}."
             return await error_response(message, 413)(scope, receive, send)
+        if not length.isdigit() and headers.get("transfer-encoding", "").lower() == "chunked":
+            # No length announced: read the body up to the limit here, or a streamed body slips past it.
+            body = await self._read_capped(receive)
+            if body is None:
+                message = f"The request body is over the limit of {self.max_body_bytes} bytes."
+                return await error_response(message, 413)(scope, receive, send)
+            receive = _replay(body, receive)
         return await self.app(scope, receive, send)
+
+    async def _read_capped(self, receive: Receive) -> Optional[bytes]:
+        """The whole body, or None once it passes max_body_bytes (or the client left)."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the app the body already read, then the client's later messages (disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def create_app(

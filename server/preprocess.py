@@ -197,7 +197,7 @@ def _sampling_params(
     if body.stop_token_ids:
         check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=body.n, best_of=body.best_of, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, length_penalty=body.length_penalty, seed=body.seed,
@@ -209,6 +209,25 @@ def _sampling_params(
         )
     except ValueError as exc:
         raise APIError.from_value_error(exc) from exc
+    _check_capacity(ctx, params, longest, "best_of" if body.best_of is not None else "n")
+    return params
+
+
+def _check_capacity(ctx: ServerContext, params: SamplingParams, prompt_len: int, param: str) -> None:
+    """Refuse, before the engine sees it, a request that could never finish: it would fail half-way instead."""
+    num_seqs = params.best_of
+    max_num_seqs = ctx.engine.config.max_num_seqs
+    if num_seqs > max_num_seqs:
+        raise APIError(f"{param} asks for {num_seqs} sequences; a batch holds at most --max-num-seqs "
+                       f"({max_num_seqs}).", 400, param)
+    stats = ctx.engine.get_stats()
+    # Upper bound: after a preemption the sequences no longer share their prompt blocks.
+    needed = num_seqs * -(-(prompt_len + params.max_tokens) // stats.block_size)
+    if needed > stats.num_gpu_blocks:
+        raise APIError(
+            f"{num_seqs} sequences of up to {prompt_len + params.max_tokens} tokens need {needed} KV cache blocks; "
+            f"the cache has {stats.num_gpu_blocks}. Lower max_tokens or {param}, or give the KV cache more memory "
+            "(--kv-cache-space, --gpu-memory-utilization).", 400, param)
 
 
 def _logit_bias(ctx: ServerContext, bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
