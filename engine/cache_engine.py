@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from engine import ops
+from engine.block_manager import max_admissible_tokens
 from engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -121,11 +122,13 @@ def determine_num_blocks(
     else:
         num_cpu = int(config.swap_space * GiB) // block_bytes
     max_len = config.max_model_len
-    if max_len is not None and num_gpu * config.block_size < max_len:
+    # The scheduler keeps a watermark of blocks free, so that much of the cache never holds a prompt.
+    fits = max_admissible_tokens(config.block_size, max(num_gpu, 0), config.watermark)
+    if max_len is not None and fits < max_len:
         raise ValueError(
-            f"The KV cache holds {max(num_gpu, 0)} blocks of {config.block_size} tokens "
-            f"({max(num_gpu, 0) * config.block_size} tokens), fewer than max_model_len ({max_len}): "
-            f"raise {flag} or lower --max-model-len."
+            f"The KV cache holds {max(num_gpu, 0)} blocks of {config.block_size} tokens, of which "
+            f"{fits} tokens can hold one sequence (beside the watermark), fewer than max_model_len "
+            f"({max_len}): raise {flag} or lower --max-model-len."
         )
     logger.info("KV cache: %d device blocks, %d host blocks of %d tokens (%.1f KiB each)",
                 num_gpu, num_cpu, config.block_size, block_bytes / 1024)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama_config
+from tiny_models import tiny_llama_config
 from engine.cache_engine import CacheEngine, cache_block_bytes, determine_num_blocks
 from engine.config import EngineConfig
 from engine.scheduler import SchedulerOutput

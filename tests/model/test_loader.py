@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import copy_tokenizer, save_random_model, tiny_llama_config
+from tiny_models import copy_tokenizer, save_random_model, tiny_llama_config
 from engine import loader
 from engine.config import EngineConfig
 

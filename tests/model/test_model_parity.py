@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-from conftest import save_random_model, tiny_llama_config
+from tiny_models import save_random_model, tiny_llama_config
 from engine.config import EngineConfig
 from engine.loader import load_model
 from paged_batch import PagedBatch, append_greedy, hf_logits

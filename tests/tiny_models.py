@@ -1,0 +1,39 @@
+"""Tiny random models for the tests: configs, HF folders with the default tokenizer."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Put the default model's tokenizer files into an HF folder, so its tokens decode to text."""
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+
+
+def save_random_model(hf_config, folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """An HF folder with random weights for hf_config (float32 safetensors) and the default tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.save_pretrained(str(folder))
+    copy_tokenizer(tokenizer_from, folder)
+    return folder
+
+
+def tiny_llama_config(**overrides):
+    """A 2-layer Llama with GQA (4 query heads, 2 KV heads) and the default model's vocabulary."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
