@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server import __version__, formatting, preprocess, streaming
-from server.errors import APIError
+from server.errors import APIError, error_response
 from server.preprocess import Job, ServerContext
 from server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
@@ -55,7 +55,9 @@ async def list_models(request: Request) -> ModelList:
 
 
 async def health(request: Request) -> Response:
-    return Response(status_code=200 if _ctx(request).engine.is_ready else 503)
+    if _ctx(request).engine.is_ready:
+        return Response(status_code=200)
+    return error_response("The engine is not ready or has died.", 503)  # the body openapi.yaml documents
 
 
 async def version() -> VersionResponse:
@@ -96,7 +98,7 @@ def build_router() -> APIRouter:
                          methods=["POST"], response_model=ChatCompletionResponse, responses={**SSE, **ERRORS})
     router.add_api_route("/v1/models", list_models,
                          methods=["GET"], response_model=ModelList, responses=ERRORS)
-    router.add_api_route("/health", health,
+    router.add_api_route("/health", health, response_class=Response,
                          methods=["GET"], responses={200: {"description": "Engine alive (empty body)"}, 503: ERRORS[503]})
     router.add_api_route("/version", version,
                          methods=["GET"], response_model=VersionResponse)

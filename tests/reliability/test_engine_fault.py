@@ -59,7 +59,7 @@ def test_step_fault_fails_in_flight_requests_and_health(tiny_llama_dir):
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == 503 and "injected step fault" in err["message"], err
-    assert health.status_code == 503
+    assert health.status_code == 503 and health.json()["error"]["code"] == 503  # the documented error body
     for r in (new_post, new_stream, new_chat):
         assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
     assert metrics.status_code == 200 and models.status_code == 200  # the process still answers what it can
