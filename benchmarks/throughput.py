@@ -14,10 +14,12 @@ import json
 import os
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
 import torch  # noqa: E402
 

@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata, KVCache, PrefillSpan, make_prefill_bias
 from engine.config import EngineConfig
+from engine.cpu_linear import pack_linears
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -41,6 +42,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
         self.config, self.model, self.device = config, model, torch.device(device)
         self.block_size = config.block_size
+        if self.device.type == "cpu":
+            pack_linears(model)  # oneDNN GEMMs on weights packed once (engine/cpu_linear.py)
 
     @torch.inference_mode()
     def execute(self, out, kv_caches: list[KVCache]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -44,7 +44,7 @@ class Sampler:
         logits = logits.float()
         num_rows, vocab = logits.shape
         assert num_rows == sum(len(seqs) for _, seqs in groups), "one logits row per running sequence"
-        raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        raw_logits = logits  # logprobs are reported from these (see the note at the top)
         logits = self._adjust(logits, groups)
 
         # Row layout: group i owns rows [starts[i], starts[i] + len(seqs)).
@@ -77,8 +77,9 @@ class Sampler:
         slot_rows_t = torch.tensor(slot_rows, dtype=torch.long, device=device)
         slot_tokens = torch.zeros(len(slot_rows), dtype=torch.long, device=device)
         if greedy_slots:
+            # One argmax per row, then picked per slot: no copy of the [num_slots, vocab] rows.
             idx = torch.tensor(greedy_slots, dtype=torch.long, device=device)
-            slot_tokens[idx] = logits[slot_rows_t[idx]].argmax(dim=-1)
+            slot_tokens[idx] = logits.argmax(dim=-1)[slot_rows_t[idx]]
         if random_slots:
             idx = torch.tensor(random_slots, dtype=torch.long, device=device)
             slot_tokens[idx] = self._sample_random(logits, groups, starts, slot_rows, random_slots)
@@ -90,7 +91,7 @@ class Sampler:
             slot_rows_t[first : first + count] = rows + starts[gi]
             slot_tokens[first : first + count] = tokens
 
-        return self._build_samples(raw_logprobs, groups, starts, slot_rows_t, slot_tokens)
+        return self._build_samples(raw_logits, groups, starts, slot_rows_t, slot_tokens)
 
     # ---- logit adjustments -------------------------------------------------
 
@@ -172,9 +173,15 @@ class Sampler:
 
     # ---- results -----------------------------------------------------------
 
-    def _build_samples(self, raw_logprobs, groups, starts, slot_rows_t, slot_tokens) -> list[list[Sample]]:
+    def _build_samples(self, raw_logits, groups, starts, slot_rows_t, slot_tokens) -> list[list[Sample]]:
         k = max((g.sampling_params.logprobs or 0) for g, _ in groups) if groups else 0
-        chosen = raw_logprobs[slot_rows_t, slot_tokens]
+        if k > 0:
+            raw_logprobs = torch.log_softmax(raw_logits, dim=-1)  # [num_rows, vocab]
+            chosen = raw_logprobs[slot_rows_t, slot_tokens]
+        else:
+            # Only the sampled tokens' logprobs: logit - logsumexp(row), without writing a
+            # [num_rows, vocab] log_softmax (a few ms per decode step on CPU).
+            chosen = raw_logits[slot_rows_t, slot_tokens] - torch.logsumexp(raw_logits, dim=-1)[slot_rows_t]
         parts = [slot_rows_t.double(), slot_tokens.double(), chosen.double()]
         if k > 0:
             top_vals, top_ids = raw_logprobs.topk(k, dim=-1)  # [num_rows, k]
@@ -182,7 +189,7 @@ class Sampler:
         flat = torch.cat(parts).tolist()  # the one device -> host transfer
         n = len(slot_rows_t)
         rows, tokens, lps = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
-        num_rows = raw_logprobs.shape[0]
+        num_rows = raw_logits.shape[0]
         top_ids_l = flat[3 * n : 3 * n + num_rows * k]
         top_vals_l = flat[3 * n + num_rows * k :]
 

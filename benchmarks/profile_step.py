@@ -1,0 +1,138 @@
+"""Where a decode step's time goes: scheduler, input prep, forward, sampling, output processing.
+
+Builds the real LLMEngine, fills it with `--batch` requests (`--input-len` random
+prompt tokens, EOS ignored), runs the prefills, then times `--steps` decode steps
+of LLMEngine.step() with a timer around each stage (wrapped methods; the step
+itself is unchanged). Optionally a torch.profiler table of the forward's ops.
+
+    .venv/bin/python benchmarks/profile_step.py                       # batch 32, 128-token prompts
+    .venv/bin/python benchmarks/profile_step.py --torch-profile       # plus the top ops
+    py-spy record -o step.svg -- .venv/bin/python benchmarks/profile_step.py --steps 200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+# Stage -> the (object attribute path, method) pairs whose time it sums. "forward" is the model's
+# forward and logits; "input prep" is ModelRunner.prepare; detokenization is inside output processing.
+STAGES = ("scheduler", "cache ops", "input prep", "forward", "sampling", "output processing")
+
+
+class StageTimer:
+    """Wraps methods so that each call's wall time is added to its stage (no nesting between stages)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.enabled = False
+
+    def wrap(self, obj, name: str, stage: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[stage] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+
+def instrument(engine, timer: StageTimer) -> None:
+    timer.wrap(engine.scheduler, "schedule", "scheduler")
+    timer.wrap(engine.scheduler, "update_computed", "scheduler")
+    timer.wrap(engine.scheduler, "free_finished_seq_groups", "scheduler")
+    timer.wrap(engine.cache_engine, "apply", "cache ops")
+    timer.wrap(engine.model_runner, "prepare", "input prep")
+    timer.wrap(engine.model_runner.model, "forward", "forward")
+    timer.wrap(engine.model_runner.model, "compute_logits", "forward")
+    timer.wrap(engine, "sampler", "sampling")
+    timer.wrap(engine.output_processor, "process", "output processing")
+    timer.wrap(engine.output_processor, "to_request_output", "output processing")
+
+
+def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 10000) for _ in range(length)] for _ in range(num)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed (after 4 warm-up steps)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--torch-profile", action="store_true", help="print the forward's top ops (torch.profiler)")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=512, kv_cache_space=0.5, swap_space=0.1,
+                                    max_num_seqs=max(256, args.batch)))
+    timer = StageTimer()
+    instrument(engine, timer)
+    total_new = args.steps + 8
+    params = SamplingParams(temperature=0.0, max_tokens=total_new, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(args.batch, args.input_len, 0)):
+        engine.add_request(str(i), prompt_token_ids=prompt, params=params)
+    while engine.scheduler.waiting or any(g.seqs[0].get_output_len() == 0 for g in engine.scheduler.running):
+        engine.step()  # the prefills
+    for _ in range(4):
+        engine.step()
+    assert len(engine.scheduler.running) == args.batch, "every request must be decoding"
+
+    timer.enabled = True
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    timer.enabled = False
+
+    step_ms = wall / args.steps * 1000
+    rows = {stage: timer.totals[stage] / args.steps * 1000 for stage in STAGES}
+    rows["other (step loop)"] = step_ms - sum(rows.values())
+    overhead = sum(rows[s] for s in ("scheduler", "cache ops", "input prep", "sampling", "output processing"))
+    overhead += rows["other (step loop)"]
+    print(f"decode step at batch {args.batch} (context ~{args.input_len}), {torch.get_num_threads()} torch threads: "
+          f"{step_ms:.2f} ms/step, {args.batch / (step_ms / 1000):.0f} output tokens/s")
+    for stage, ms in rows.items():
+        print(f"  {stage:20s} {ms:7.2f} ms  {100 * ms / step_ms:5.1f} %")
+    print(f"  {'non-forward total':20s} {overhead:7.2f} ms  {100 * overhead / step_ms:5.1f} %")
+
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(8):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(
+            {"batch": args.batch, "input_len": args.input_len, "threads": torch.get_num_threads(),
+             "step_ms": step_ms, "stages_ms": rows, "non_forward_pct": 100 * overhead / step_ms}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
