@@ -23,6 +23,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import engine  # noqa: E402,F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp)
 import torch  # noqa: E402
 
 # Stage -> the (object attribute path, method) pairs whose time it sums. "forward" is the model's
