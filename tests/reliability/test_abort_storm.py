@@ -1,4 +1,4 @@
-"""200 requests over 20 s while a random third of the clients walk away at random points; nothing leaks."""
+"""200 requests over 30 s while a random third of the clients walk away at random points; nothing leaks."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ import httpx
 from reliability_harness import gauges, leaked_blocks, record, serve, stream_completion, wait_engine_idle
 
 NUM_REQUESTS = 200
-SPREAD_S = 20.0  # the issue asks for 30 s; 20 keeps the suite inside its budget with the same 200 requests
+SPREAD_S = 30.0
 
 
 class Leave(enum.Enum):
@@ -33,13 +33,15 @@ def plan(seed: int) -> list[dict[str, Any]]:
     for i in range(NUM_REQUESTS):
         leave = modes[len([j for j in leavers if j < i]) % 4] if i in leavers else Leave.STAYS
         n = 2 if rng.random() < 0.2 else 1
-        chat = rng.random() < 0.25
+        chat = rng.random() < 0.25 and leave is not Leave.NON_STREAMED
         body: dict[str, Any] = {"model": "tiny", "max_tokens": rng.randint(4, 32), "ignore_eos": True, "n": n,
                                 "temperature": 0.8 if n > 1 else rng.choice([0.0, 0.8]), "seed": i}
         if chat:
             body["messages"] = [{"role": "user", "content": f"Request {i}: " + "word " * rng.randint(1, 20)}]
         else:
             body["prompt"] = [rng.randrange(100, 40000) for _ in range(rng.randint(3, 40))]
+        if leave is Leave.NON_STREAMED:
+            body["max_tokens"] = 80  # long enough to be running when its client leaves
         stream = leave in (Leave.BEFORE_FIRST_TOKEN, Leave.MID_STREAM, Leave.WHILE_QUEUED) or (
             leave is Leave.STAYS and rng.random() < 0.6)
         jobs.append({"at": rng.uniform(0, SPREAD_S), "body": body, "chat": chat, "stream": stream, "leave": leave,
@@ -111,7 +113,8 @@ def test_abort_storm_frees_every_block(tiny_llama_dir):
     for job, res in stayed:
         want = job["body"]["max_tokens"] * job["body"]["n"]
         assert (res["status"], res["done"], res["error"], res["tokens"]) == (200, True, None, want), (job, res)
-    assert sum(left.values()) >= NUM_REQUESTS // 3 - 8, left  # a few quick ones finish before their client leaves
+    # A few quick ones finish before their client leaves; those answered 200 above (no 5xx).
+    assert sum(left.values()) >= NUM_REQUESTS // 3 - 16, left
     assert all(left[m.value] > 0 for m in Leave if m is not Leave.STAYS), left
     assert leaks == final_leaks == {"gpu_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
     assert idle["num_requests_running"] == idle["num_requests_waiting"] == idle["num_requests_swapped"] == 0, idle
