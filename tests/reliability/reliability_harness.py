@@ -4,7 +4,6 @@ The HTTP helpers (ServerThread, sse_events, metric) come from tests/server/servi
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -132,7 +131,3 @@ def start_cli_server(args: list[str], log_path: pathlib.Path, timeout_s: float =
             proc.kill()
             raise RuntimeError("server did not come up")
         time.sleep(0.3)
-
-
-def run(coro):
-    return asyncio.run(coro)

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 
 import httpx
-import pytest
 
-from reliability_harness import leaked_blocks, record, start_cli_server  # noqa: F401
+from reliability_harness import record, start_cli_server
 from serving_harness import sse_events
 
 SHUTDOWN_TIMEOUT_S = 3
