@@ -37,3 +37,16 @@ def tiny_llama_config(**overrides):
     )
     fields.update(overrides)
     return LlamaConfig(**fields)
+
+
+def load_default_tokenizer():
+    """The default SmolLM2 tokenizer: the converted cache folder if present, else straight from the GGUF."""
+    from transformers import AutoTokenizer
+
+    from engine.loader import DEFAULT_MODEL_ID, cache_dir, default_gguf_path
+
+    converted = cache_dir() / "models" / DEFAULT_MODEL_ID
+    if (converted / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(converted)
+    gguf = default_gguf_path()  # reading only the tokenizer from the GGUF takes seconds, no conversion
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -3,6 +3,7 @@ import itertools
 import os
 
 import pytest
+from tiny_models import load_default_tokenizer
 
 from engine.config import EngineConfig
 from engine.output_processor import OutputProcessor
@@ -13,19 +14,6 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 NUM_BLOCKS = 64
-
-
-def load_default_tokenizer():
-    """The default SmolLM2 tokenizer: the converted cache folder if present, else straight from the GGUF."""
-    from transformers import AutoTokenizer
-
-    from engine.loader import DEFAULT_MODEL_ID, cache_dir, default_gguf_path
-
-    converted = cache_dir() / "models" / DEFAULT_MODEL_ID
-    if (converted / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(converted)
-    gguf = default_gguf_path()  # reading only the tokenizer from the GGUF takes seconds, no conversion
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="session")
