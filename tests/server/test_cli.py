@@ -97,11 +97,9 @@ def test_64_concurrent_streams_and_health_latency(cli_server):
     worst, median = ordered[-1], ordered[len(ordered) // 2]
     print(f"\n/health under 64 streams: {len(latencies)} probes, max {worst * 1000:.1f} ms, "
           f"median {median * 1000:.1f} ms")
-    # The target is a 100 ms maximum. On 2 shared cores the worst probe lands at 170-300 ms
-    # (a prefill burst competes for both cores), so the suite holds the median to the target and
-    # the worst case to 1 s: the server never stalls, though the 100 ms maximum is not met yet.
-    assert median < 0.100, f"/health median {median * 1000:.0f} ms under load"
-    assert worst < 1.0, f"/health took {worst * 1000:.0f} ms under load"
+    # The longest stall used to be a full garbage collection of the ~400k objects loading leaves
+    # (~0.2 s, GIL held); the CLI freezes them (gc.freeze) before serving.
+    assert worst < 0.100, f"/health took {worst * 1000:.0f} ms under load (median {median * 1000:.0f} ms)"
 
 
 def test_stats_line_and_sigterm_exits_cleanly(cli_server):
