@@ -61,11 +61,11 @@ class _QueueStreamer(BaseStreamer):
         self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
-def create_app(model_dir: str, model_name: str) -> FastAPI:
+def create_app(model_dir: str, model_name: str, dtype: str = "float32") -> FastAPI:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     lock = asyncio.Lock()  # HF generate serves one request at a time
     app = FastAPI()
 
@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     import uvicorn
 
@@ -174,7 +175,7 @@ def main() -> None:
 
         args.model = str(default_model_path())
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
-    uvicorn.run(create_app(args.model, name), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(args.model, name, args.dtype), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def run_pagedserve(args, prompts) -> dict:
             "output_tokens_per_s": tokens / elapsed}, llm
 
 
-def run_hf(args, model, prompts, batch_size: int) -> dict:
+def run_hf(args, model, prompts, batch_size: int, dtype: str) -> dict:
     """HF generate over `prompts` in left-padded batches of `batch_size` (1 = one at a time)."""
     pad_id = 0
     tokens, start = 0, time.perf_counter()
@@ -63,7 +63,8 @@ def run_hf(args, model, prompts, batch_size: int) -> dict:
         tokens += (out.shape[1] - width) * len(batch)
     elapsed = time.perf_counter() - start
     name = "hf_sequential" if batch_size == 1 else f"hf_padded_batch_{batch_size}"
-    return {"name": name, "requests": len(prompts), "output_tokens": tokens, "seconds": elapsed,
+    return {"name": f"{name}_{dtype}", "hf_dtype": dtype, "batch_size": batch_size, "requests": len(prompts),
+            "output_tokens": tokens, "seconds": elapsed,
             "output_tokens_per_s": tokens / elapsed}
 
 
@@ -79,6 +80,8 @@ def main() -> None:
     parser.add_argument("--hf-sequential-prompts", type=int, default=4,
                         help="prompts for the one-at-a-time HF baseline (it is slow; tokens/s is what counts)")
     parser.add_argument("--hf-batch-sizes", default="16,64", help="padded batch sizes for the HF batched baseline")
+    parser.add_argument("--hf-dtypes", default="float32",
+                        help="dtypes to run the HF baselines in, e.g. float32,bfloat16; the best of all is 'HF best'")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true")
@@ -98,15 +101,22 @@ def main() -> None:
 
     if not args.skip_hf:
         del llm
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        seq = run_hf(args, hf_model, prompts[:args.hf_sequential_prompts], 1)
-        results.append(seq)
-        for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
-            results.append(run_hf(args, hf_model, prompts[:max(bs, 1)] if bs < len(prompts) else prompts, bs))
+        for dtype in [d for d in args.hf_dtypes.split(",") if d]:
+            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+            if args.hf_sequential_prompts:
+                results.append(run_hf(args, hf_model, prompts[:args.hf_sequential_prompts], 1, dtype))
+            for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
+                results.append(run_hf(args, hf_model, prompts[:bs] if bs < len(prompts) else prompts, bs, dtype))
+            del hf_model
         for r in results[1:]:
             r["pagedserve_ratio"] = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
             print(f"{r['name']}: {r['output_tokens_per_s']:.1f} output tokens/s -> pagedserve is "
                   f"{r['pagedserve_ratio']:.2f}x")
+        batched = [r for r in results[1:] if r["batch_size"] > 1]
+        if batched:
+            best = max(batched, key=lambda r: r["output_tokens_per_s"])
+            print(f"HF's best static batch: {best['name']} ({best['output_tokens_per_s']:.1f} tok/s) -> pagedserve "
+                  f"({args.dtype}) is {best['pagedserve_ratio']:.2f}x")
 
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__},

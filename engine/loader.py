@@ -4,9 +4,11 @@
 """
 from __future__ import annotations
 
+import copy
 import enum
 import glob
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -68,9 +70,24 @@ def default_model_path() -> Path:
     """The default SmolLM2 as a safetensors HF folder in the cache; converted from GGUF on first use."""
     target = cache_dir() / "models" / DEFAULT_MODEL_ID
     if (target / "config.json").exists():  # the folder only ever appears complete (atomic rename)
+        _drop_quantization_config(target)
         return target
     convert_gguf_to_hf(default_gguf_path(), target)
     return target
+
+
+def _drop_quantization_config(folder: Path) -> None:
+    # Conversions before 2026-11-22 kept the GGUF quantization_config in config.json although the weights are
+    # plain float32: HF then attaches its GGUF quantizer (bf16 loads take a slow cast-per-matmul path).
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    if "quantization_config" not in config:
+        return
+    del config["quantization_config"]
+    tmp = config_file.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, config_file)
 
 
 def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
@@ -118,7 +135,10 @@ def _save_clean_copy(gguf_model, folder: Path) -> None:
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one around its weights.
     from transformers import AutoModelForCausalLM
 
-    config = gguf_model.config
+    config = copy.deepcopy(gguf_model.config)
+    # The weights saved are plain float32: a quantization_config would make HF treat them as GGUF-packed.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     with torch.device("meta"):
         clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     clean.load_state_dict(gguf_model.state_dict(), assign=True)
