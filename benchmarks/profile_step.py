@@ -7,6 +7,8 @@ itself is unchanged). Optionally a torch.profiler table of the forward's ops.
 
     .venv/bin/python benchmarks/profile_step.py                       # batch 32, 128-token prompts
     .venv/bin/python benchmarks/profile_step.py --torch-profile       # plus the top ops
+    .venv/bin/python benchmarks/profile_step.py --dtype bfloat16      # bf16 weights and activations
+    .venv/bin/python benchmarks/profile_step.py --prefill             # one 128-token prefill (TTFT's forward)
     py-spy record -o step.svg -- .venv/bin/python benchmarks/profile_step.py --steps 200
 """
 from __future__ import annotations
@@ -71,6 +73,36 @@ def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 10000) for _ in range(length)] for _ in range(num)]
 
 
+def profile_prefill(engine, timer: StageTimer, args) -> None:
+    """Times one request's prefill (forward + last-token logits) at a time: the compute part of TTFT."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    forward_ms, step_ms = [], []
+    for i, prompt in enumerate(make_prompts(args.steps + 2, args.input_len, 1)):  # distinct prompts: no prefix hits
+        engine.add_request(f"p{i}", prompt_token_ids=prompt, params=params)
+        timer.totals.clear()
+        timer.enabled = i >= 2  # two warm-up prefills
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        if timer.enabled:
+            step_ms.append((time.perf_counter() - start) * 1000)
+            forward_ms.append(timer.totals["forward"] * 1000)
+        timer.enabled = False
+    forward_ms.sort()
+    step_ms.sort()
+    med = len(forward_ms) // 2
+    print(f"prefill of {args.input_len} tokens, dtype {engine.dtype}, {torch.get_num_threads()} torch threads, "
+          f"{len(forward_ms)} runs: forward median {forward_ms[med]:.1f} ms (best {forward_ms[0]:.1f}), "
+          f"step median {step_ms[med]:.1f} ms (best {step_ms[0]:.1f})")
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(
+            {"mode": "prefill", "input_len": args.input_len, "dtype": str(engine.dtype),
+             "threads": torch.get_num_threads(), "forward_ms": forward_ms, "step_ms": step_ms}, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
@@ -79,6 +111,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64, help="decode steps timed (after 4 warm-up steps)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--torch-profile", action="store_true", help="print the forward's top ops (torch.profiler)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--prefill", action="store_true",
+                   help="time --steps single-sequence prefills of --input-len tokens instead of decode steps")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     if args.threads:
@@ -89,9 +124,11 @@ def main() -> None:
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=512, kv_cache_space=0.5, swap_space=0.1,
-                                    max_num_seqs=max(256, args.batch)))
+                                    max_num_seqs=max(256, args.batch), dtype=args.dtype))
     timer = StageTimer()
     instrument(engine, timer)
+    if args.prefill:
+        return profile_prefill(engine, timer, args)
     total_new = args.steps + 8
     params = SamplingParams(temperature=0.0, max_tokens=total_new, ignore_eos=True)
     for i, prompt in enumerate(make_prompts(args.batch, args.input_len, 0)):
@@ -114,7 +151,8 @@ def main() -> None:
     rows["other (step loop)"] = step_ms - sum(rows.values())
     overhead = sum(rows[s] for s in ("scheduler", "cache ops", "input prep", "sampling", "output processing"))
     overhead += rows["other (step loop)"]
-    print(f"decode step at batch {args.batch} (context ~{args.input_len}), {torch.get_num_threads()} torch threads: "
+    print(f"decode step at batch {args.batch} (context ~{args.input_len}), dtype {engine.dtype}, "
+          f"{torch.get_num_threads()} torch threads: "
           f"{step_ms:.2f} ms/step, {args.batch / (step_ms / 1000):.0f} output tokens/s")
     for stage, ms in rows.items():
         print(f"  {stage:20s} {ms:7.2f} ms  {100 * ms / step_ms:5.1f} %")

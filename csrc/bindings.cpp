@@ -85,6 +85,40 @@ void swap_blocks(
   pagedserve::cpu::swap_blocks(src, dst, block_mapping);
 }
 
+// The elementwise ops are CPU-only: engine/ops.py sends CUDA tensors to the torch reference.
+void cpu_only(std::initializer_list<const torch::Tensor*> tensors, const char* op) {
+  if (any_cuda(tensors)) no_cuda(op);
+}
+
+void rms_norm(torch::Tensor& out,            // [num_tokens, hidden]
+              const torch::Tensor& input,    // [num_tokens, hidden]
+              const torch::Tensor& weight,   // [hidden]
+              double eps) {
+  cpu_only({&out, &input, &weight}, "rms_norm");
+  pagedserve::cpu::rms_norm(out, input, weight, eps);
+}
+
+void fused_add_rms_norm(torch::Tensor& input,          // [num_tokens, hidden]
+                        torch::Tensor& residual,       // [num_tokens, hidden]
+                        const torch::Tensor& weight,   // [hidden]
+                        double eps) {
+  cpu_only({&input, &residual, &weight}, "fused_add_rms_norm");
+  pagedserve::cpu::fused_add_rms_norm(input, residual, weight, eps);
+}
+
+void silu_and_mul(torch::Tensor& out,            // [num_tokens, d]
+                  const torch::Tensor& input) {  // [num_tokens, 2 * d]
+  cpu_only({&out, &input}, "silu_and_mul");
+  pagedserve::cpu::silu_and_mul(out, input);
+}
+
+void rotary_embedding(const torch::Tensor& positions,        // [num_tokens] int64
+                      torch::Tensor& x,                      // [num_tokens, num_heads, head_size]
+                      const torch::Tensor& cos_sin_cache) {  // [max_position, head_size] float32
+  cpu_only({&positions, &x, &cos_sin_cache}, "rotary_embedding");
+  pagedserve::cpu::rotary_embedding(positions, x, cos_sin_cache);
+}
+
 bool built_with_cuda() {
 #ifdef PAGEDSERVE_CUDA
   return true;
@@ -96,7 +130,7 @@ bool built_with_cuda() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedserve paged-attention and KV-cache ops";
+  m.doc() = "pagedserve paged-attention, KV-cache and elementwise ops";
   // The ops run with the GIL released: the engine steps on a worker thread, and the
   // server's event loop must keep answering (health checks, new requests) meanwhile.
   using release_gil = py::call_guard<py::gil_scoped_release>;
@@ -105,5 +139,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, release_gil(), "write new K/V rows into their cache slots");
   m.def("copy_blocks", &copy_blocks, release_gil(), "copy blocks inside every layer's cache");
   m.def("swap_blocks", &swap_blocks, release_gil(), "copy blocks between two cache tensors");
+  m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm of each row (writes out)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, release_gil(),
+        "residual += input; input = rms_norm(residual), in place");
+  m.def("silu_and_mul", &silu_and_mul, release_gil(), "silu(gate) * up of [gate | up] rows (writes out)");
+  m.def("rotary_embedding", &rotary_embedding, release_gil(), "neox RoPE in place on [tokens, heads, head_size]");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");
 }

@@ -48,6 +48,34 @@ void swap_blocks(
     at::Tensor& dst,                   // [num_dst_blocks, ...] same block shape and dtype
     const at::Tensor& block_mapping);  // [num_pairs, 2] int64 (src, dst)
 
+// ---- elementwise ops of a Llama block (CPU only; engine/ops.py runs the torch
+// reference for CUDA tensors). float32 and bfloat16, float32 math inside.
+
+// out = weight * x / rms(x), per row (HF LlamaRMSNorm numerics).
+void rms_norm(
+    at::Tensor& out,           // [num_tokens, hidden], rows contiguous
+    const at::Tensor& input,   // [num_tokens, hidden], rows contiguous (any row stride)
+    const at::Tensor& weight,  // [hidden]
+    double eps);
+
+// In place: residual += input, then input = rms_norm(residual).
+void fused_add_rms_norm(
+    at::Tensor& input,         // [num_tokens, hidden]
+    at::Tensor& residual,      // [num_tokens, hidden]
+    const at::Tensor& weight,  // [hidden]
+    double eps);
+
+// out = silu(input[:, :d]) * input[:, d:].
+void silu_and_mul(
+    at::Tensor& out,           // [num_tokens, d]
+    const at::Tensor& input);  // [num_tokens, 2 * d]
+
+// Neox-style RoPE in place on each head of x.
+void rotary_embedding(
+    const at::Tensor& positions,       // [num_tokens] int64
+    at::Tensor& x,                     // [num_tokens, num_heads, head_size], head vectors contiguous
+    const at::Tensor& cos_sin_cache);  // [max_position, head_size] float32: cos halves | sin halves
+
 }  // namespace cpu
 
 #ifdef PAGEDSERVE_CUDA

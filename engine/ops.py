@@ -24,7 +24,10 @@ import torch
 
 logger = logging.getLogger("pagedserve.ops")
 
-_SOURCES_CPU = ("bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp")
+_SOURCES_CPU = (
+    "bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp", "cpu/layernorm.cpp", "cpu/activation.cpp",
+    "cpu/pos_encoding.cpp",
+)
 _SOURCES_CUDA = ("cuda/attention_kernels.cu", "cuda/cache_kernels.cu", "cuda/torch_bindings.cpp")
 
 BlockMapping = Union[torch.Tensor, Mapping[int, int], Sequence[tuple[int, int]]]
@@ -95,7 +98,8 @@ def _build(csrc: Path, with_cuda: bool):
         kind = "CUDA" if with_cuda else "CPU"
         logger.warning("building pagedserve %s kernels (first run, ~%s s) in %s ...",
                        kind, 180 if with_cuda else 40, build_dir)
-    cflags = ["-O3", "-fopenmp", "-ffp-contract=fast", *isa_flags]
+    # -fno-trapping-math: lets gcc if-convert (and so vectorize) the clamps in csrc/cpu/vec_utils.h.
+    cflags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", *isa_flags]
     if with_cuda:
         cflags.append("-DPAGEDSERVE_CUDA")
     return load(
@@ -158,6 +162,13 @@ def _compiled_for(*tensors: torch.Tensor):
     if any(t.is_cuda for t in tensors) and _backend is not OpsBackend.COMPILED_CUDA:
         return None
     return module
+
+
+def _compiled_cpu_for(*tensors: torch.Tensor):
+    """The compiled module for CPU-only ops (the elementwise ones), else None: CUDA tensors use the reference."""
+    if any(t.is_cuda for t in tensors):
+        return None
+    return _load()
 
 
 def _as_mapping(block_mapping: BlockMapping) -> torch.Tensor:
@@ -234,7 +245,90 @@ def swap_blocks(
     module.swap_blocks(src, dst, mapping)
 
 
+# Elementwise ops of a Llama block: one pass each, float32 math inside, on the calling thread for
+# decode-sized batches (an OpenMP wake-up costs more than the work). CPU kernels; CUDA runs the reference.
+
+
+def rms_norm(
+    out: torch.Tensor,  # [num_tokens, hidden], rows contiguous
+    x: torch.Tensor,  # [num_tokens, hidden], rows contiguous
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:
+    """out = weight * x / rms(x) row by row, as HF's LlamaRMSNorm rounds it; returns out."""
+    module = _compiled_cpu_for(x)
+    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+        return ref_rms_norm(out, x, weight, eps)
+    module.rms_norm(out, x, weight, float(eps))
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]; overwritten with the normalised sum
+    residual: torch.Tensor,  # [num_tokens, hidden]; overwritten with residual + x
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> None:
+    """In place: residual += x, then x = rms_norm(residual) (the two halves of a Llama block's hand-off)."""
+    module = _compiled_cpu_for(x, residual)
+    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+        return ref_fused_add_rms_norm(x, residual, weight, eps)
+    module.fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def silu_and_mul(
+    out: torch.Tensor,  # [num_tokens, d]
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate | up
+) -> torch.Tensor:
+    """out = silu(gate) * up; returns out."""
+    module = _compiled_cpu_for(x)
+    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+        return ref_silu_and_mul(out, x)
+    module.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    x: torch.Tensor,  # [num_tokens, num_heads, head_size], head vectors contiguous (a strided view is fine)
+    cos_sin_cache: torch.Tensor,  # [max_position, head_size] float32: cos halves | sin halves
+) -> None:
+    """Neox-style RoPE in place on every head of x at its token's position."""
+    module = _compiled_cpu_for(x)
+    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+        return ref_rotary_embedding(positions, x, cos_sin_cache)
+    module.rotary_embedding(positions, x, cos_sin_cache)
+
+
+_ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 # ---------------------------------------------------------------- references (the test oracle)
+
+
+def ref_rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, round to the input dtype, then scale (rounded again)."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return out.copy_(weight * normed.to(x.dtype))
+
+
+def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """residual += x (in its dtype), then x = rms_norm(residual)."""
+    residual.add_(x)
+    ref_rms_norm(x, residual, weight, eps)
+
+
+def ref_silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in the input's dtype, as torch's F.silu(gate) * up rounds it."""
+    gate, up = x.chunk(2, dim=-1)
+    return out.copy_(torch.nn.functional.silu(gate) * up)
+
+
+def ref_rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """HF's x * cos + rotate_half(x) * sin in x's dtype, written back into x."""
+    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_size // 2]
+    x1, x2 = x.chunk(2, dim=-1)
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
 
 def ref_paged_attention(

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.attention import Attention, AttentionMetadata, KVCache
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -83,20 +83,16 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq, self.scale, self.max_len = inv_freq, scale, max_len
         self._cos_sin: Optional[torch.Tensor] = None  # [max_len, head_dim] float32: cos halves | sin halves
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos_sin is None or self._cos_sin.device != positions.device:
+    def table(self, device: torch.device) -> torch.Tensor:  # [max_len, head_dim] float32
+        if self._cos_sin is None or self._cos_sin.device != device:
             t = torch.arange(self.max_len, dtype=torch.float32, device="cpu")
             freqs = torch.outer(t, self.inv_freq)  # [max_len, head_dim // 2]
-            table = torch.cat([freqs.cos() * self.scale, freqs.sin() * self.scale], dim=-1)
-            self._cos_sin = table.to(positions.device)
-        cos, sin = self._cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2]
-        return cos, sin
+            self._cos_sin = torch.cat([freqs.cos() * self.scale, freqs.sin() * self.scale], dim=-1).to(device)
+        return self._cos_sin
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, heads, head_dim]; same arithmetic as HF's x * cos + rotate_half(x) * sin.
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        # positions: [num_tokens]; x: [num_tokens, heads, head_dim], rotated in place with HF's arithmetic.
+        ops.rotary_embedding(positions, x, self.table(x.device))
 
 
 class RMSNorm(nn.Module):
@@ -106,10 +102,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, dim]
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # HF normalises in float32, casts back, then scales.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # HF numerics: normalise in float32, cast back, then scale.
+        return ops.rms_norm(torch.empty_like(x), x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in place in one pass: x and residual are consumed."""
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
 
 class LlamaAttention(nn.Module):
@@ -123,11 +122,12 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, scale=a.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, cos_sin, kv_cache: Optional[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:  # x: [num_tokens, hidden]; positions: [num_tokens]
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.heads + self.kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, *cos_sin)  # q and k rotated together
+        self.rotary(positions, qk)  # q and k rotated together, in place
         # Strided views, no copies: the cache and attention ops only need each head's vector contiguous.
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.kv_heads, self.head_dim)
@@ -143,8 +143,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter]: gate | up
+        act = ops.silu_and_mul(gate_up.new_empty(x.shape[0], self.inter), gate_up)
+        return self.down_proj(act)
 
 
 class LlamaBlock(nn.Module):
@@ -155,9 +156,22 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(a, dtype)
 
-    def forward(self, x, cos_sin, kv_cache: Optional[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous block's MLP output (the embeddings for block 0)
+        residual: Optional[torch.Tensor],  # [num_tokens, hidden]: the stream before x is added; None for block 0
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: Optional[KVCache],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this block's MLP output, the stream before it is added)
+        # The residual adds ride in the norms (one pass each, in place): the stream is residual + x throughout.
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, positions, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,11 +202,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: Optional[list[KVCache]],  # one per layer; None to run without a cache (profiling)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] before the final norm; compute_logits finishes the rows asked for
-        cos_sin = self.rotary.cos_sin(positions, self.dtype)
-        h = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos_sin, kv_caches[i] if kv_caches is not None else None, meta)
-        return h
+            x, residual = layer(x, residual, positions, kv_caches[i] if kv_caches is not None else None, meta)
+        return x if residual is None else residual.add_(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] f32
         return self.lm_head(self.norm(hidden)).float()

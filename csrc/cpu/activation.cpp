@@ -1,0 +1,53 @@
+// CPU SiLU-and-multiply of a gated MLP: out = silu(gate) * up, where each
+// input row is [gate | up]. For bfloat16 silu's result is rounded to bfloat16
+// before the multiply, as torch's F.silu(gate) * up does.
+#include <type_traits>
+
+#include <c10/util/Exception.h>
+
+#include "../ops.h"
+#include "vec_utils.h"
+
+namespace pagedserve {
+namespace cpu {
+
+namespace {
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& input) {
+  const int64_t num_tokens = input.size(0), d = out.size(1);
+  const int64_t in_stride = input.stride(0), out_stride = out.stride(0);
+  const T* in = input.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (num_tokens * d >= vec::kParallelMinElements)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const T* gate = in + t * in_stride;
+    const T* up = gate + d;
+    T* row = o + t * out_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+      const float g = vec::load(gate, i);
+      const float act = vec::round_to<T>(g / (1.0f + vec::exp(-g)));
+      vec::store(row, i, act * vec::load(up, i));
+    }
+  }
+}
+
+}  // namespace
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 && input.stride(1) == 1 && out.dim() == 2 &&
+                  out.stride(1) == 1,
+              "silu_and_mul: CPU [num_tokens, 2 * d] input and [num_tokens, d] out with contiguous rows");
+  TORCH_CHECK(input.size(1) == 2 * out.size(1) && input.size(0) == out.size(0) &&
+                  input.scalar_type() == out.scalar_type(),
+              "silu_and_mul: out must be [num_tokens, d] of the input's dtype");
+  switch (input.scalar_type()) {
+    case at::kFloat: return silu_and_mul_impl<float>(out, input);
+    case at::kBFloat16: return silu_and_mul_impl<c10::BFloat16>(out, input);
+    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", input.scalar_type());
+  }
+}
+
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,103 @@
+// CPU RMSNorm and the fused residual add + RMSNorm of a Llama block.
+//
+// Numerics follow HF's LlamaRMSNorm: the mean of squares in float32, then
+// float32 x * rsqrt(mean + eps); for bfloat16 that product is rounded to
+// bfloat16 before the weight multiplies it (and the product rounded again).
+// Rows are independent; small batches (every decode step, a short prefill)
+// run on the calling thread (vec::kParallelMinElements).
+#include <cmath>
+#include <type_traits>
+
+#include <c10/util/Exception.h>
+
+#include "../ops.h"
+#include "vec_utils.h"
+
+namespace pagedserve {
+namespace cpu {
+
+namespace {
+
+// out[i] = weight * norm(x): x and out may alias (the fused op writes in place).
+template <typename T>
+inline void norm_row(T* out, const T* x, const T* weight, int64_t hidden, float eps) {
+  float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float v = vec::load(x, i);
+    sum_sq += v * v;
+  }
+  const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < hidden; ++i) {
+    const float normed = vec::round_to<T>(vec::load(x, i) * inv_rms);
+    vec::store(out, i, normed * vec::load(weight, i));
+  }
+}
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, float eps) {
+  const int64_t num_tokens = input.size(0), hidden = input.size(1);
+  const int64_t in_stride = input.stride(0), out_stride = out.stride(0);
+  const T* x = input.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (num_tokens * hidden >= vec::kParallelMinElements)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    norm_row(o + t * out_stride, x + t * in_stride, w, hidden, eps);
+  }
+}
+
+template <typename T>
+void fused_add_rms_norm_impl(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t num_tokens = input.size(0), hidden = input.size(1);
+  const int64_t in_stride = input.stride(0), res_stride = residual.stride(0);
+  T* x = input.data_ptr<T>();
+  T* r = residual.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (num_tokens * hidden >= vec::kParallelMinElements)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    T* xr = x + t * in_stride;
+    T* rr = r + t * res_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) {
+      vec::store(rr, i, vec::load(rr, i) + vec::load(xr, i));  // rounded to T, as `residual + x` would be
+    }
+    norm_row(xr, rr, w, hidden, eps);
+  }
+}
+
+void check_rows(const at::Tensor& t, const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a CPU [num_tokens, hidden] tensor with contiguous rows");
+  TORCH_CHECK(t.size(1) == weight.numel() && t.scalar_type() == weight.scalar_type(), name,
+              ": hidden size or dtype differs from the weight");
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps) {
+  check_rows(input, weight, "rms_norm input");
+  check_rows(out, weight, "rms_norm out");
+  TORCH_CHECK(weight.is_contiguous() && out.size(0) == input.size(0), "rms_norm: bad weight or out shape");
+  switch (input.scalar_type()) {
+    case at::kFloat: return rms_norm_impl<float>(out, input, weight, static_cast<float>(eps));
+    case at::kBFloat16: return rms_norm_impl<c10::BFloat16>(out, input, weight, static_cast<float>(eps));
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", input.scalar_type());
+  }
+}
+
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(input, weight, "fused_add_rms_norm input");
+  check_rows(residual, weight, "fused_add_rms_norm residual");
+  TORCH_CHECK(weight.is_contiguous() && residual.size(0) == input.size(0), "fused_add_rms_norm: bad shapes");
+  switch (input.scalar_type()) {
+    case at::kFloat: return fused_add_rms_norm_impl<float>(input, residual, weight, static_cast<float>(eps));
+    case at::kBFloat16:
+      return fused_add_rms_norm_impl<c10::BFloat16>(input, residual, weight, static_cast<float>(eps));
+    default: TORCH_CHECK(false, "fused_add_rms_norm: unsupported dtype ", input.scalar_type());
+  }
+}
+
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,85 @@
+// Scalar helpers written so that gcc auto-vectorizes the loops that use them
+// (no branches, no libm calls): bfloat16 <-> float32 and a polynomial exp.
+// Shared by the elementwise kernels (layernorm.cpp, activation.cpp, pos_encoding.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+
+namespace pagedserve {
+namespace cpu {
+namespace vec {
+
+// Rows below this many elements run on the calling thread: waking an OpenMP
+// team (OMP_WAIT_POLICY=PASSIVE) costs 50-100 us, more than the work itself.
+constexpr int64_t kParallelMinElements = int64_t{1} << 18;
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const c10::BFloat16* p, int64_t i) {
+  uint16_t raw;
+  std::memcpy(&raw, p + i, sizeof(raw));
+  return bits_to_float(static_cast<uint32_t>(raw) << 16);
+}
+
+// float32 -> bfloat16 bits, round to nearest even (torch's rounding; NaN inputs
+// are not expected in activations and would come out as some NaN or inf).
+inline uint16_t bf16_bits(float f) {
+  const uint32_t bits = float_to_bits(f);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Rounds a float32 to the nearest bfloat16 value, kept as float32.
+inline float round_bf16(float f) { return bits_to_float(static_cast<uint32_t>(bf16_bits(f)) << 16); }
+
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(c10::BFloat16* p, int64_t i, float v) {
+  const uint16_t raw = bf16_bits(v);
+  std::memcpy(p + i, &raw, sizeof(raw));
+}
+
+// The value a tensor of T holds after rounding (identity for float32).
+template <typename T>
+inline float round_to(float v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return round_bf16(v);
+  } else {
+    return v;
+  }
+}
+
+// exp(x) for x in float32, Cephes' expf polynomial (max error ~2 ulp);
+// inputs are clamped to the finite range, so no inf and no denormals.
+inline float exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // Round to the nearest integer by adding and removing 1.5 * 2^23 (floorf would not vectorize).
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  return p * bits_to_float(static_cast<uint32_t>(e) << 23);
+}
+
+}  // namespace vec
+}  // namespace cpu
+}  // namespace pagedserve
