@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import enum
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
@@ -14,6 +17,10 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+# glibc keeps the pages of freed tensors of ever-new sizes in its arenas (~70 MiB after minutes of serving);
+# malloc_trim hands them back. A few ms in the step thread, between steps, every this many seconds.
+TRIM_INTERVAL_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -67,6 +74,10 @@ class AsyncLLMEngine:
         )
         self._dead: Optional[BaseException] = None
         self._accepting = True
+        self._cut_handle: Optional[asyncio.TimerHandle] = None  # ends what is left at the shutdown deadline
+        self._malloc_trim = _find_malloc_trim()
+        self._last_trim = time.monotonic()
+        self.num_cut_at_shutdown = 0
 
     @classmethod
     def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
@@ -105,6 +116,15 @@ class AsyncLLMEngine:
         """True when a new request would be served (for /health)."""
         return self._dead is None and self._accepting
 
+    @property
+    def unavailable_reason(self) -> str:
+        """Why a new request is refused (when not is_ready), for the 503 body."""
+        if self._dead is not None:
+            return f"The engine has died: {self._dead!r}."
+        if not self._accepting:
+            return "The server is shutting down."
+        return "The engine is not ready."
+
     def get_stats(self) -> Any:
         """The EngineStats after the latest step (a snapshot; the engine itself is not read here)."""
         return self._stats
@@ -120,22 +140,59 @@ class AsyncLLMEngine:
         self._queue = asyncio.Queue()
         self._task = self._loop.create_task(self._run_loop(), name="engine-loop")
 
-    async def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop accepting, let in-flight requests finish within timeout_s, abort the rest, stop the loop."""
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Refuse new requests from now on; whatever is still in flight after timeout_s ends with
+        EngineDeadError (the server answers 503) and is aborted in the engine. Idempotent; any thread,
+        a signal handler included."""
         self._accepting = False
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self._streams and asyncio.get_running_loop().time() < deadline and self.is_running:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._arm_cut, timeout_s)
+
+    def _arm_cut(self, timeout_s: float) -> None:
+        if self._cut_handle is None:
+            self._cut_handle = asyncio.get_running_loop().call_later(timeout_s, self._cut_in_flight, timeout_s)
+
+    def _cut_in_flight(self, timeout_s: float) -> None:
+        """The shutdown deadline: every reader gets the error, the engine aborts their requests (blocks freed)."""
+        streams, self._streams = self._streams, {}
+        exc = EngineDeadError(f"The server is shutting down: the request was still running {timeout_s:g} s after "
+                              "the signal (--shutdown-timeout). Retry it.")
+        for request_id, stream in streams.items():
+            stream.finish(exc)
+            if self._queue is not None:
+                self._queue.put_nowait((_Op.ABORT, request_id, None))
+        self.num_cut_at_shutdown += len(streams)
+        if streams:
+            logger.warning("shutdown timeout (%g s): ended %d request(s) still in flight", timeout_s, len(streams))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish within timeout_s, end and abort the rest, stop the loop."""
+        self.begin_shutdown(timeout_s)
+        loop = asyncio.get_running_loop()
+        while self._streams and self.is_running:
+            await asyncio.sleep(0.05)  # the cut at the deadline empties _streams
+        # The aborts reach the engine once the step in progress returns; then no block is held.
+        deadline = loop.time() + 10.0
+        while self.is_running and (self.engine.has_unfinished_requests() or not self._queue.empty()):
+            if loop.time() > deadline:
+                break
             await asyncio.sleep(0.05)
-        for request_id in list(self._streams):
-            self.abort(request_id)
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
+        if self._cut_handle is not None:
+            self._cut_handle.cancel()
         self._fail_all(EngineDeadError("server is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._dead is None:
+            stats = self.engine.get_stats()
+            logger.info("engine stopped: %d request(s) ended at the shutdown timeout, %d left in the engine, "
+                        "KV cache usage %.1f%%", self.num_cut_at_shutdown,
+                        stats.num_running + stats.num_waiting + stats.num_swapped, 100 * stats.gpu_cache_usage)
 
     # -- requests --
     async def generate(
@@ -212,6 +269,7 @@ class AsyncLLMEngine:
             while True:
                 if not self.engine.has_unfinished_requests() and self._queue.empty():
                     await self._refresh_stats()
+                    await loop.run_in_executor(self._executor, self._maybe_trim)
                     self._apply(await self._queue.get())  # idle: sleep until a request or abort arrives
                 while not self._queue.empty():
                     self._apply(self._queue.get_nowait())
@@ -233,7 +291,15 @@ class AsyncLLMEngine:
         if self.fault_injector is not None:
             self.fault_injector()
         outputs = self.engine.step()
+        self._maybe_trim()
         return outputs, self.engine.get_stats()
+
+    def _maybe_trim(self) -> None:
+        """In the step thread: give freed heap pages back to the OS at most every TRIM_INTERVAL_S."""
+        now = time.monotonic()
+        if self._malloc_trim is not None and now - self._last_trim >= TRIM_INTERVAL_S:
+            self._last_trim = now
+            self._malloc_trim(0)
 
     async def _refresh_stats(self) -> None:
         self._stats = self.engine.get_stats()
@@ -280,6 +346,14 @@ class AsyncLLMEngine:
     def __repr__(self) -> str:
         state = "dead" if self._dead else ("running" if self.is_running else "idle")
         return f"AsyncLLMEngine({self.config.model_name!r}, {state}, {len(self._streams)} in flight)"
+
+
+def _find_malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's malloc_trim, or None (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _lower_priority(nice: int) -> None:

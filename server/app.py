@@ -88,6 +88,7 @@ def create_app(
         max_model_len=engine.config.max_model_len,
         vocab_size=engine.vocab_size,
         api_key=api_key,
+        shutdown_timeout_s=shutdown_timeout_s,
     )
 
     @asynccontextmanager

@@ -7,11 +7,17 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+# oneDNN keeps every GEMM primitive it builds, and torch's ideep layer keeps another LRU of them, 1024
+# entries each by default. A serving batch has a new token count at almost every step, so each new count
+# adds ~0.3 MiB per linear shape, for many minutes: the RSS drift of the soak (docs/reliability.md).
+# 64 entries fill within seconds; building a primitive on a miss costs nothing measurable next to the GEMM.
+# Both are read once, when the first primitive is built: set before the model loads; an explicit setting wins.
+NATIVE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 logger = logging.getLogger("pagedserve")
 
 
@@ -35,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     serve.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks")
     serve.add_argument("--kv-cache-space", type=float, default=4.0, help="GiB of KV cache on CPU")
-    serve.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    serve.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="KV cache blocks, instead of sizing them from memory")
+    serve.add_argument("--num-cpu-blocks-override", type=int, default=None,
+                       help="host swap blocks, instead of sizing them from --swap-space (0: no swap)")
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--enable-prefix-caching", action="store_true")
@@ -59,6 +68,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device, seed=args.seed, load_format=args.load_format, max_model_len=args.max_model_len,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
         kv_cache_space=args.kv_cache_space, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        num_cpu_blocks_override=args.num_cpu_blocks_override,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
@@ -81,8 +91,11 @@ def serve(args: argparse.Namespace) -> int:
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    # In-flight requests get the timeout minus a margin in which the ones still running are ended with a
+    # 503 (error event + [DONE] on streams) and their blocks freed; uvicorn's own timeout then ends nothing.
+    cut_after_s = max(0.0, args.shutdown_timeout - min(1.0, args.shutdown_timeout / 4))
     app = create_app(engine, api_key=api_key, served_model_name=config.model_name,
-                     shutdown_timeout_s=args.shutdown_timeout)
+                     shutdown_timeout_s=cut_after_s)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
                 config.max_model_len)
     # uvicorn owns SIGINT/SIGTERM while serving: it stops accepting, gives in-flight requests the timeout,
@@ -95,9 +108,26 @@ def serve(args: argparse.Namespace) -> int:
     # Freeze what exists now: later full collections then only walk objects made while serving.
     gc.collect()
     gc.freeze()
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(max(1, args.shutdown_timeout)))
+    server = _draining_server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                       timeout_graceful_shutdown=max(1, args.shutdown_timeout)),  # type: ignore[arg-type]
+        on_exit=lambda: engine.begin_shutdown(cut_after_s),
+    )
+    server.run()
     return 0
+
+
+def _draining_server(config: Any, on_exit: Callable[[], None]) -> Any:
+    """A uvicorn.Server that also tells the engine at the signal itself: uvicorn runs the lifespan shutdown
+    only after the connections are done, too late to end the streams still open."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            on_exit()
+
+    return DrainingServer(config)
 
 
 def _after_graceful_shutdown(signum: int, frame: object) -> None:
@@ -109,6 +139,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for name, value in NATIVE_CACHE_ENV.items():
+        os.environ.setdefault(name, value)
     if args.command == "serve":
         return serve(args)
     return 2

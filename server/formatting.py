@@ -65,11 +65,12 @@ def usage(job: Job, finals: dict[int, RequestOutput]) -> dict[str, int]:
 
 
 def raise_for_output_error(out: RequestOutput) -> None:
-    """An engine-side end (never fits, out of swap space) becomes an API error."""
+    """An engine-side end becomes an API error: a prompt that can never fit is the client's (400); a request
+    ended for lack of server capacity (out of host swap space, no room to resume) is retryable (503)."""
     if out.error is None:
         return
     reasons = {c.finish_reason for c in out.outputs}
-    raise APIError(out.error, 500 if "error" in reasons else 400)
+    raise APIError(out.error, 503 if "error" in reasons else 400)
 
 
 def full_response(tokenizer: Any, job: Job, finals: dict[int, RequestOutput]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ class ServerContext:
     max_model_len: int
     vocab_size: int
     api_key: Optional[str] = None
+    shutdown_timeout_s: float = 10.0  # how long streams may outlive SIGTERM before the engine ends them
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -39,9 +39,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 async def _serve(request: Request, ctx: ServerContext, job: Job) -> Response:
     if not ctx.engine.is_ready:
-        raise APIError("The engine is not ready or has died.", 503)
+        raise APIError(ctx.engine.unavailable_reason, 503)
     if job.stream:
-        return streaming.sse_response(ctx.engine, job)
+        return streaming.sse_response(ctx.engine, job, ctx.shutdown_timeout_s)
     finals = await streaming.collect(request, ctx.engine, job)
     if finals is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
@@ -55,9 +55,10 @@ async def list_models(request: Request) -> ModelList:
 
 
 async def health(request: Request) -> Response:
-    if _ctx(request).engine.is_ready:
+    engine = _ctx(request).engine
+    if engine.is_ready:
         return Response(status_code=200)
-    return error_response("The engine is not ready or has died.", 503)  # the body openapi.yaml documents
+    return error_response(engine.unavailable_reason, 503)  # the body openapi.yaml documents
 
 
 async def version() -> VersionResponse:

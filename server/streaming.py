@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 DONE = "[DONE]"
 PING_INTERVAL_S = 15  # SSE comments (": ping"): ignored by the openai client and `data:` parsers
 DISCONNECT_POLL_S = 0.1
+SHUTDOWN_GRACE_MARGIN_S = 5.0
 
 
 async def run_job(engine: Any, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -106,8 +107,12 @@ class _ChoiceState:
     finished: bool = False
 
 
-def sse_response(engine: Any, job: Job) -> EventSourceResponse:
-    return EventSourceResponse(_events(engine, job), sep="\n", ping=PING_INTERVAL_S)
+def sse_response(engine: Any, job: Job, shutdown_timeout_s: float) -> EventSourceResponse:
+    # On SIGTERM sse-starlette cancels open streams at once (the client sees the connection drop, no [DONE])
+    # unless given a grace period. The engine itself ends what is left at the shutdown deadline, and this
+    # generator then sends the 503 error event and [DONE]; the grace only has to outlast that deadline.
+    return EventSourceResponse(_events(engine, job), sep="\n", ping=PING_INTERVAL_S,
+                               shutdown_grace_period=shutdown_timeout_s + SHUTDOWN_GRACE_MARGIN_S)
 
 
 async def _events(engine: Any, job: Job) -> AsyncIterator[dict[str, str]]:
