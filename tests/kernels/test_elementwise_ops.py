@@ -1,0 +1,126 @@
+"""rms_norm, fused_add_rms_norm, silu_and_mul and rotary_embedding equal their pure-torch references.
+
+Shapes cover decode batches (one thread), prefill-sized ones (the OpenMP path) and the
+strided views the model passes (q/k heads inside the fused qkv output, rows of a wider tensor).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import ops
+from tests.kernels.conftest import tolerances
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (num_tokens, hidden): decode, odd sizes (vector tails), and past ops' one-thread limit (2^18 elements).
+ROW_SHAPES = [(1, 64), (7, 100), (32, 576), (300, 1024)]
+
+
+def randn(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, **tolerances(actual.dtype))
+    if actual.dtype == torch.bfloat16:  # same float32 math and roundings: nearly every value is bit-equal (exp may differ by an ulp)
+        assert (actual == expected).float().mean().item() > 0.95
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", ROW_SHAPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_norm_matches_reference(dtype, num_tokens, hidden, strided):
+    gen = torch.Generator().manual_seed(num_tokens * hidden)
+    wide = randn((num_tokens, hidden + (16 if strided else 0)), dtype, gen, scale=3.0)
+    x = wide[:, :hidden]  # strided: rows of a wider tensor
+    weight = randn((hidden,), dtype, gen)
+    out = ops.rms_norm(torch.empty(num_tokens, hidden, dtype=dtype), x, weight, 1e-6)
+    expected = ops.ref_rms_norm(torch.empty_like(out), x, weight, 1e-6)
+    assert_matches(out, expected)
+    # An oracle independent of the reference: float64 formula.
+    x64 = x.double()
+    exact = weight.double() * x64 / x64.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    torch.testing.assert_close(out.double(), exact, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", ROW_SHAPES)
+def test_fused_add_rms_norm_matches_reference(dtype, num_tokens, hidden):
+    gen = torch.Generator().manual_seed(7 + num_tokens)
+    x, residual = randn((num_tokens, hidden), dtype, gen), randn((num_tokens, hidden), dtype, gen, scale=4.0)
+    weight = randn((hidden,), dtype, gen)
+    ref_x, ref_residual = x.clone(), residual.clone()
+    expected_sum = residual + x
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ops.ref_fused_add_rms_norm(ref_x, ref_residual, weight, 1e-5)
+    assert torch.equal(residual, expected_sum)  # the stream is the plain sum, rounded once
+    assert_matches(x, ref_x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,d", [(1, 64), (5, 37), (32, 1536), (128, 1536)])
+def test_silu_and_mul_matches_reference(dtype, num_tokens, d):
+    gen = torch.Generator().manual_seed(d + num_tokens)
+    x = randn((num_tokens, 2 * d), dtype, gen, scale=4.0)
+    x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0], dtype=dtype)  # exp's clamped range and zero
+    out = ops.silu_and_mul(torch.empty(num_tokens, d, dtype=dtype), x)
+    expected = ops.ref_silu_and_mul(torch.empty_like(out), x)
+    assert_matches(out, expected)
+    assert torch.isfinite(out).all()
+
+
+def test_silu_and_mul_on_strided_rows():
+    gen = torch.Generator().manual_seed(3)
+    wide = randn((9, 2 * 48 + 8), torch.float32, gen)
+    x = wide[:, : 2 * 48]
+    buffer = torch.full((9, 64), 5.0)
+    out = buffer[:, :48]  # writes only its own columns
+    ops.silu_and_mul(out, x)
+    torch.testing.assert_close(out, torch.nn.functional.silu(x[:, :48]) * x[:, 48:], **tolerances(torch.float32))
+    assert (buffer[:, 48:] == 5.0).all()
+
+
+def rope_table(max_len: int, head_size: int) -> torch.Tensor:  # [max_len, head_size] float32
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_size, 2).float() / head_size))
+    freqs = torch.outer(torch.arange(max_len).float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_size", [(1, 9, 3, 64), (6, 4, 4, 32), (130, 9, 3, 64), (2100, 8, 2, 128)])
+def test_rotary_embedding_in_place_on_fused_qkv(dtype, num_tokens, heads, kv_heads, head_size):
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = randn((num_tokens, (heads + 2 * kv_heads) * head_size), dtype, gen)
+    table = rope_table(4096, head_size)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    original, expected_qkv = qkv.clone(), qkv.clone()
+    width = (heads + kv_heads) * head_size
+    qk = qkv[:, :width].view(num_tokens, heads + kv_heads, head_size)  # strided view into the fused output
+    ops.rotary_embedding(positions, qk, table)
+    ops.ref_rotary_embedding(positions, expected_qkv[:, :width].view(num_tokens, heads + kv_heads, head_size), table)
+    assert_matches(qkv, expected_qkv)
+    assert torch.equal(qkv[:, width:], original[:, width:])  # v untouched
+    # Independent oracle: each (x1, x2) pair is a complex number rotated by position * freq, in float64.
+    half = head_size // 2
+    x = original[:, :width].view(num_tokens, heads + kv_heads, head_size).double()
+    angle = torch.atan2(table[positions, half:].double(), table[positions, :half].double())[:, None]
+    rotated = torch.complex(x[..., :half], x[..., half:]) * torch.polar(torch.ones_like(angle), angle)
+    exact = torch.cat([rotated.real, rotated.imag], dim=-1)
+    tol = dict(atol=5e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(qk.double(), exact, **tol)
+
+
+def test_rotary_embedding_rejects_positions_past_the_table():
+    table = rope_table(16, 32)
+    x = torch.randn(2, 3, 32)
+    with pytest.raises(RuntimeError, match="outside the cos/sin table"):
+        ops.rotary_embedding(torch.tensor([3, 16]), x, table)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_elementwise_ops_on_cuda_use_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    x = randn((4, 64), torch.float32, gen).cuda()
+    weight = torch.ones(64, device="cuda")
+    out = ops.rms_norm(torch.empty_like(x), x, weight, 1e-6)
+    torch.testing.assert_close(out, ops.ref_rms_norm(torch.empty_like(x), x, weight, 1e-6))
