@@ -19,7 +19,8 @@ from server.protocol import (
 ERRORS: dict[Union[int, str], dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in [(400, "Bad request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
-                       (413, "Request body too large"), (503, "Engine not ready or dead")]
+                       (413, "Request body too large"),
+                       (503, "Engine not ready, dead, shutting down, or out of capacity (retry later)")]
 }
 SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"}}
 
