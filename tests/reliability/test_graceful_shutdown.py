@@ -58,6 +58,8 @@ async def _scenario(base: str, proc) -> dict:
     body = {"model": "tiny", "prompt": PROMPT, "ignore_eos": True, "temperature": 0.0}
     short, medium, long = ({**body, "max_tokens": n} for n in (6, 16, LONG_TOKENS))
     async with httpx.AsyncClient(timeout=120) as client:
+        cache_config = next(line for line in (await client.get(base + "/metrics")).text.splitlines()
+                            if line.startswith("pagedserve:cache_config_info"))
         before = [asyncio.Event() for _ in range(2)]
         shorts = [asyncio.create_task(_stream(client, url, short, e)) for e in before]
         await asyncio.gather(*shorts)  # done before SIGTERM: these must not be touched by it
@@ -87,7 +89,7 @@ async def _scenario(base: str, proc) -> dict:
         cut = await asyncio.wait_for(asyncio.gather(*longs, queued_stream), timeout=SHUTDOWN_TIMEOUT_S * 2 + 30)
         plain = await asyncio.wait_for(queued_plain, timeout=SHUTDOWN_TIMEOUT_S * 2 + 30)
         done = await finishing
-    return {"shorts": [s.result() for s in shorts], "done": done, "cut": cut, "plain": plain, "refused": refused,
+    return {"cache_config": cache_config, "shorts": [s.result() for s in shorts], "done": done, "cut": cut, "plain": plain, "refused": refused,
             "s_to_refused": t_refused - t_sigterm, "t_sigterm": t_sigterm}
 
 
@@ -119,6 +121,8 @@ def test_sigterm_stops_accepting_ends_in_flight_and_exits_0(long_context_llama, 
         "cut_non_streamed": (plain["status"], plain["body"].get("error", {}).get("message")),
     })
     assert code == 0, text[-3000:]
+    # --num-cpu-blocks-override sized the swap pool, --num-gpu-blocks-override the KV cache.
+    assert 'num_cpu_blocks="16"' in result["cache_config"] and 'num_gpu_blocks="1100"' in result["cache_config"]
     for s in result["shorts"]:
         assert s["status"] == 200 and s["events"][-1] == "[DONE]" and s["usage"]["completion_tokens"] == 6, s
     assert result["refused"] is not None, "the server kept accepting after SIGTERM"
