@@ -1,9 +1,14 @@
-"""Paged decode attention vs torch SDPA over a contiguous cache, on the current device.
+"""CPU/GPU kernel timings: paged decode attention (vs SDPA), silu_and_mul, and the prefill attention path.
 
-    python benchmarks/kernels.py                 # small CPU-friendly grid (~1 min)
+    python benchmarks/kernels.py                 # paged attention, small CPU-friendly grid (~1 min)
     python benchmarks/kernels.py --full          # batch 1..256 x context 128..4096
+    python benchmarks/kernels.py --smollm2 --ops paged,silu,prefill --batches 1 32 --contexts 192 2048
 
-Prints a table and writes JSON (default benchmarks/results/kernels.json).
+--smollm2 sets the default model's shapes (9/3 heads of 64, intermediate 1536). `paged` times
+ops.paged_attention, `silu` ops.silu_and_mul on [batch, 2 * intermediate], `prefill` one
+layer's Attention.forward for one prompt per --prompt-lens (plus, with --cached, a prompt
+whose first half is read back from the prefix cache). Prints tables and writes JSON
+(default benchmarks/results/kernels.json).
 """
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import engine  # noqa: E402,F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp, as the server does)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
 from engine import ops  # noqa: E402
+from engine.attention import Attention, AttentionMetadata, PrefillSpan  # noqa: E402
 
 FULL_BATCHES = [1, 8, 32, 64, 128, 256]
 FULL_CONTEXTS = [128, 512, 1024, 2048, 4096]
@@ -37,7 +44,7 @@ def timed(fn, device: torch.device, min_time: float) -> float:
         torch.cuda.synchronize()
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < 200):
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < 2000):
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
@@ -46,7 +53,7 @@ def timed(fn, device: torch.device, min_time: float) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_case(batch, context, args, device, dtype) -> dict:
+def bench_paged(batch, context, args, device, dtype) -> dict:
     """One (batch, context) point: every sequence holds `context` tokens."""
     h, kvh, d, bs = args.num_heads, args.num_kv_heads, args.head_size, args.block_size
     blocks_per_seq = (context + bs - 1) // bs
@@ -71,48 +78,97 @@ def bench_case(batch, context, args, device, dtype) -> dict:
                   device, args.min_time)
     sdpa = timed(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale), device, args.min_time)
     kv_bytes = 2 * batch * context * kvh * d * key_cache.element_size()
-    return dict(batch=batch, context=context, paged_ms=paged * 1e3, sdpa_ms=sdpa * 1e3,
-                ratio=paged / sdpa, paged_gb_s=kv_bytes / paged / 1e9)
+    return dict(op="paged", batch=batch, context=context, ms=paged * 1e3, sdpa_ms=sdpa * 1e3,
+                ratio=paged / sdpa, gb_s=kv_bytes / paged / 1e9)
+
+
+def bench_silu(batch, args, device, dtype) -> dict:
+    x = torch.randn(batch, 2 * args.intermediate, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    out = torch.empty(batch, args.intermediate, dtype=dtype, device=device)
+    ms = timed(lambda: ops.silu_and_mul(out, x), device, args.min_time) * 1e3
+    return dict(op="silu", batch=batch, ms=ms, gb_s=3 * out.numel() * out.element_size() / ms / 1e6)
+
+
+def bench_prefill(prompt_len, num_cached, args, device, dtype) -> dict:
+    """One layer's attention for one prompt: prompt_len new tokens after num_cached prefix-cached ones."""
+    h, kvh, d, bs = args.num_heads, args.num_kv_heads, args.head_size, args.block_size
+    gen = torch.Generator().manual_seed(0)
+    ctx = num_cached + prompt_len
+    num_blocks = (ctx + bs - 1) // bs
+    qkv = torch.randn(prompt_len, (h + 2 * kvh) * d, generator=gen).to(device, dtype)  # the fused projection
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(-1, h, d), k.view(-1, kvh, d), v.view(-1, kvh, d)
+    cache = (torch.randn(num_blocks, kvh, bs, d, generator=gen).to(device, dtype),
+             torch.randn(num_blocks, kvh, bs, d, generator=gen).to(device, dtype))
+    table = torch.randperm(num_blocks, generator=gen).to(device=device, dtype=torch.int32)
+    slots = torch.arange(num_cached, ctx)
+    slots = (table.long().cpu()[slots // bs] * bs + slots % bs).to(device)
+    span = PrefillSpan(0, prompt_len, ctx, table if num_cached else None)
+    meta = AttentionMetadata(slot_mapping=slots, prefills=[span], num_prefill_tokens=prompt_len)
+    attn = Attention(h, kvh, d, d ** -0.5)
+    ms = timed(lambda: attn(q, k, v, cache, meta), device, args.min_time) * 1e3
+    return dict(op="prefill", prompt_len=prompt_len, cached=num_cached, ms=ms)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="paged", help="comma-separated: paged, silu, prefill")
     p.add_argument("--full", action="store_true", help="batch 1..256 x context 128..4096")
     p.add_argument("--batches", type=int, nargs="*")
     p.add_argument("--contexts", type=int, nargs="*")
+    p.add_argument("--prompt-lens", type=int, nargs="*", default=[16, 128, 512])
+    p.add_argument("--cached", action="store_true", help="prefill also with a prefix-cached first half")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M shapes: 9/3 heads x 64, intermediate 1536")
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=11008)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--min-time", type=float, default=0.2, help="seconds of repeats per measurement")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
     args = p.parse_args()
+    if args.smollm2:
+        args.num_heads, args.num_kv_heads, args.head_size, args.intermediate = 9, 3, 64, 1536
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     small = device.type == "cpu" and not args.full
     batches = args.batches or ([1, 8, 32] if small else FULL_BATCHES)
     contexts = args.contexts or ([128, 512, 1024] if small else FULL_CONTEXTS)
+    wanted = args.ops.split(",")
 
     backend = ops.backend()
     print(f"device: {device_name(device)}  backend: {backend.value}  dtype: {args.dtype}  "
           f"heads {args.num_heads}/{args.num_kv_heads} x {args.head_size}, block {args.block_size}")
-    print(f"{'batch':>6} {'context':>8} {'paged ms':>10} {'sdpa ms':>10} {'paged/sdpa':>11} {'KV GB/s':>9}")
     rows = []
-    for batch in batches:
-        for context in contexts:
-            r = bench_case(batch, context, args, device, dtype)
-            rows.append(r)
-            print(f"{r['batch']:>6} {r['context']:>8} {r['paged_ms']:>10.3f} {r['sdpa_ms']:>10.3f} "
-                  f"{r['ratio']:>11.2f} {r['paged_gb_s']:>9.1f}", flush=True)
+    if "paged" in wanted:
+        print(f"{'batch':>6} {'context':>8} {'paged ms':>10} {'sdpa ms':>10} {'paged/sdpa':>11} {'KV GB/s':>9}")
+        for batch in batches:
+            for context in contexts:
+                r = bench_paged(batch, context, args, device, dtype)
+                rows.append(r)
+                print(f"{r['batch']:>6} {r['context']:>8} {r['ms']:>10.4f} {r['sdpa_ms']:>10.4f} "
+                      f"{r['ratio']:>11.2f} {r['gb_s']:>9.1f}", flush=True)
+    if "silu" in wanted:
+        shapes = f"[batch, {2 * args.intermediate}] -> [batch, {args.intermediate}]"
+        print(f"{'batch':>6} {'silu ms':>10} {'GB/s':>7}   {shapes}")
+        for batch in batches:
+            rows.append(r := bench_silu(batch, args, device, dtype))
+            print(f"{batch:>6} {r['ms']:>10.4f} {r['gb_s']:>7.1f}", flush=True)
+    if "prefill" in wanted:
+        print(f"{'prompt':>6} {'cached':>6} {'prefill ms':>10}   one layer's Attention.forward")
+        for n in args.prompt_lens:
+            for cached in ([0, n // 2] if args.cached else [0]):
+                rows.append(r := bench_prefill(n - cached, cached, args, device, dtype))
+                print(f"{n - cached:>6} {cached:>6} {r['ms']:>10.4f}", flush=True)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=device_name(device), backend=backend.value, dtype=args.dtype, num_heads=args.num_heads,
                 num_kv_heads=args.num_kv_heads, head_size=args.head_size, block_size=args.block_size,
-                torch=torch.__version__)
+                intermediate=args.intermediate, torch=torch.__version__)
     out.write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
     print(f"wrote {out}")
 

@@ -119,6 +119,16 @@ void rotary_embedding(const torch::Tensor& positions,        // [num_tokens] int
   pagedserve::cpu::rotary_embedding(positions, x, cos_sin_cache);
 }
 
+void prefill_attention(torch::Tensor& out,                 // [q_len, num_heads, head_size]
+                       const torch::Tensor& query,         // [q_len, num_heads, head_size]
+                       const torch::Tensor& key_cache,     // [num_blocks, num_kv_heads, block_size, head_size]
+                       const torch::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
+                       const torch::Tensor& block_table,   // [num_seq_blocks] int32
+                       int64_t context_len, double scale) {
+  cpu_only({&out, &query, &key_cache, &value_cache}, "prefill_attention");
+  pagedserve::cpu::prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale);
+}
+
 bool built_with_cuda() {
 #ifdef PAGEDSERVE_CUDA
   return true;
@@ -136,6 +146,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention", &paged_attention, release_gil(),
         "decode attention over a paged KV cache (writes out)");
+  m.def("prefill_attention", &prefill_attention, release_gil(),
+        "causal GQA attention of one sequence's new tokens over its context (writes out)");
   m.def("reshape_and_cache", &reshape_and_cache, release_gil(), "write new K/V rows into their cache slots");
   m.def("copy_blocks", &copy_blocks, release_gil(), "copy blocks inside every layer's cache");
   m.def("swap_blocks", &swap_blocks, release_gil(), "copy blocks between two cache tensors");

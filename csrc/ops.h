@@ -28,6 +28,20 @@ void paged_attention(
     const at::Tensor& context_lens,   // [num_seqs] int32
     double scale);
 
+// Prefill attention of one sequence: its q_len new tokens, causally, over the
+// first context_len tokens of its blocks (the new ones last, after a cached
+// prefix). GQA by num_heads / num_kv_heads. The caches may be any strided view
+// with contiguous head vectors: a step's own K/V rows pass as one block.
+// CPU only (engine/ops.py runs the torch reference for CUDA tensors).
+void prefill_attention(
+    at::Tensor& out,                 // [q_len, num_heads, head_size], heads contiguous
+    const at::Tensor& query,         // [q_len, num_heads, head_size] (rows may be strided)
+    const at::Tensor& key_cache,     // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
+    const at::Tensor& block_table,   // [num_seq_blocks] int32
+    int64_t context_len,
+    double scale);
+
 // Writes each token's key/value row into its slot of the cache.
 void reshape_and_cache(
     const at::Tensor& key,            // [num_tokens, num_kv_heads, head_size]

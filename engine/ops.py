@@ -25,8 +25,8 @@ import torch
 logger = logging.getLogger("pagedserve.ops")
 
 _SOURCES_CPU = (
-    "bindings.cpp", "cpu/attention.cpp", "cpu/cache.cpp", "cpu/layernorm.cpp", "cpu/activation.cpp",
-    "cpu/pos_encoding.cpp",
+    "bindings.cpp", "cpu/attention.cpp", "cpu/prefill_attention.cpp", "cpu/cache.cpp", "cpu/layernorm.cpp",
+    "cpu/activation.cpp", "cpu/pos_encoding.cpp",
 )
 _SOURCES_CUDA = ("cuda/attention_kernels.cu", "cuda/cache_kernels.cu", "cuda/torch_bindings.cpp")
 
@@ -64,9 +64,15 @@ def _cpu_isa_flags() -> tuple[str, list[str]]:
         flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
     except (OSError, IndexError):
         flags = set()
-    if {"avx2", "fma", "f16c"} <= flags:
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "generic", []
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return "generic", []
+    avx2 = ["-mavx2", "-mfma", "-mf16c"]
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx2", avx2
+    avx512 = avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if "avx512_bf16" in flags:  # vdpbf16ps: bf16 dot products in the attention kernels
+        return "avx512bf16", avx512 + ["-mavx512bf16"]
+    return "avx512", avx512
 
 
 def _want_cuda() -> bool:
@@ -195,6 +201,24 @@ def paged_attention(
     if module is None:
         return ref_paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale)
     module.paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, float(scale))
+
+
+def prefill_attention(
+    out: torch.Tensor,  # [q_len, num_heads, head_size], heads contiguous
+    query: torch.Tensor,  # [q_len, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size] (a strided view is fine)
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_table: torch.Tensor,  # [num_seq_blocks] int32
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's q_len new tokens over the first context_len tokens of its blocks
+    (a cached prefix, then the new ones); GQA without K/V copies. CPU kernel; CUDA runs the reference."""
+    module = _compiled_cpu_for(query, key_cache)
+    if module is None or query.dtype not in (*_ELEMENTWISE_DTYPES, torch.float16):
+        return ref_prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale)
+    module.prefill_attention(out, query, key_cache, value_cache, block_table, int(context_len), float(scale))
+    return out
 
 
 def reshape_and_cache(
@@ -356,6 +380,30 @@ def ref_paged_attention(
         scores = torch.einsum("hd,nhd->hn", query[i].float(), gather(key_cache)) * scale
         probs = torch.softmax(scores, dim=-1)  # softmax subtracts the max: safe
         out[i] = torch.einsum("hn,nhd->hd", probs, gather(value_cache)).to(out.dtype)
+
+
+def ref_prefill_attention(
+    out: torch.Tensor,  # [q_len, num_heads, head_size]
+    query: torch.Tensor,  # [q_len, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_table: torch.Tensor,  # [num_seq_blocks] int32
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA in float32 over the gathered context, with GQA copies and a causal mask offset by the cached prefix."""
+    q_len, num_kv_heads, head_size = query.shape[0], key_cache.shape[1], key_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    blocks = block_table.long().to(key_cache.device)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, context_len, head_size]
+        rows = cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :context_len]
+        return rows.float().repeat_interleave(group, dim=0)
+
+    mask = torch.ones(q_len, context_len, dtype=torch.bool, device=query.device).tril(context_len - q_len)
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(0, 1), gather(key_cache), gather(value_cache), attn_mask=mask, scale=scale)
+    return out.copy_(attn.transpose(0, 1))
 
 
 def ref_reshape_and_cache(

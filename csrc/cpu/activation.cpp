@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "../ops.h"
+#include "simd.h"
 #include "vec_utils.h"
 
 namespace pagedserve {
@@ -13,8 +14,17 @@ namespace cpu {
 
 namespace {
 
+template <int N, typename T>
+inline simd::Vec<N> silu_times_up(const T* gate, const T* up) {
+  const simd::Vec<N> g = simd::load<N>(gate);
+  simd::Vec<N> act = g / (1.0f + simd::exp<N>(-g));
+  if constexpr (std::is_same_v<T, c10::BFloat16>) act = simd::round_bf16<N>(act);
+  return act * simd::load<N>(up);
+}
+
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& input) {
+  constexpr int N = simd::kNative;
   const int64_t num_tokens = input.size(0), d = out.size(1);
   const int64_t in_stride = input.stride(0), out_stride = out.stride(0);
   const T* in = input.data_ptr<T>();
@@ -24,12 +34,9 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& input) {
     const T* gate = in + t * in_stride;
     const T* up = gate + d;
     T* row = o + t * out_stride;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) {
-      const float g = vec::load(gate, i);
-      const float act = vec::round_to<T>(g / (1.0f + vec::exp(-g)));
-      vec::store(row, i, act * vec::load(up, i));
-    }
+    int64_t i = 0;
+    for (; i + N <= d; i += N) simd::store<N>(row + i, silu_times_up<N>(gate + i, up + i));
+    for (; i < d; ++i) vec::store(row, i, silu_times_up<1>(gate + i, up + i)[0]);
   }
 }
 

@@ -1,318 +1,163 @@
-// CPU paged decode attention.
+// CPU paged decode attention: the op's checks, the split of the work over
+// OpenMP threads, and the final normalization. The math of one work item (a
+// kv-head group over a span of one sequence) is in attention_item.h.
 //
-// One work item is (sequence, kv head): all query heads that share a kv head
-// (GQA) are processed together so each K/V row is loaded once and reused.
-// The inner loops use AVX2/FMA/F16C intrinsics when the build targets them
-// (engine/ops.py adds -mavx2 -mfma -mf16c where the CPU has them; gcc did not
-// auto-vectorize these reductions reliably) and plain loops otherwise.
-// Accumulation is float32.
+// Work items are (sequence, kv head). With fewer items than threads can share
+// evenly (small batches), each context is also cut into spans of whole blocks,
+// attended separately and merged by their max logit and softmax sum (as
+// flash-decoding does): batch 1 then still uses every thread.
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
-#include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PAGEDSERVE_AVX2 1
-#endif
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include "../ops.h"
+#include "attention_item.h"
+#include "parallel.h"
 
 namespace pagedserve {
 namespace cpu {
 
 namespace {
 
-constexpr int kLanes = 8;  // one AVX2 register of float32
+using attn::Geometry;
+using attn::Item;
 
-// Storage -> float32 for one contiguous run of n values.
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+// Below this many multiply-adds (one pass, QK or PV) a call stays on the calling
+// thread: waking the OpenMP team (parallel.h) costs more than it saves.
+constexpr int64_t kParallelMinWork = int64_t{1} << 20;  // 50-80 us on one Zen 4 core
+constexpr int64_t kItemsPerThread = 4;  // enough for the item queue (parallel.h) to even out
+constexpr int64_t kMinSpan = 256;       // tokens: shorter spans cost more to merge than they save
 
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  // bfloat16 is the top half of a float32: a shift, which vectorizes.
-  const auto* bits = reinterpret_cast<const uint16_t*>(src);
-  auto* out = reinterpret_cast<uint32_t*>(dst);
-  int64_t i = 0;
-#ifdef PAGEDSERVE_AVX2
-  for (; i + 8 <= n; i += 8) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_slli_epi32(wide, 16));
+struct Plan {
+  int64_t span;       // tokens per work item (a multiple of block_size unless num_spans == 1)
+  int64_t num_spans;  // per sequence
+  bool parallel;
+};
+
+Plan make_plan(const int32_t* lens, int64_t num_seqs, const Geometry& g) {
+  int64_t max_len = 1, total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    max_len = std::max<int64_t>(max_len, lens[s]);
+    total += lens[s];
   }
-#endif
-  for (; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+  const int64_t threads = omp_get_max_threads();
+  Plan plan{max_len, 1, threads > 1 && total * g.num_kv_heads * g.group * g.head_size >= kParallelMinWork};
+  const int64_t items = num_seqs * g.num_kv_heads, wanted = kItemsPerThread * threads;
+  if (plan.parallel && items < wanted) {
+    const int64_t spans = (wanted + items - 1) / items;
+    int64_t span = std::max(kMinSpan, (max_len + spans - 1) / spans);
+    span = (span + g.block_size - 1) / g.block_size * g.block_size;
+    if (span < max_len) plan = Plan{span, (max_len + span - 1) / span, true};
+  }
+  return plan;
 }
 
-inline void to_float(const c10::Half* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef PAGEDSERVE_AVX2
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-template <typename T>
-inline void from_float(const float* src, T* dst, int64_t n, float mul) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
-}
-
-// Dot products of one query with four key rows: four independent FMA chains
-// keep the pipeline busy where a single chain would wait on its own latency.
-inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
-                 int64_t n, float* result) {
-  float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
-  int64_t d = 0;
-#ifdef PAGEDSERVE_AVX2
-  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps(), v2 = _mm256_setzero_ps(), v3 = _mm256_setzero_ps();
-  for (; d + kLanes <= n; d += kLanes) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    v0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), v0);
-    v1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), v1);
-    v2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), v2);
-    v3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), v3);
-  }
-  _mm256_storeu_ps(a0, v0);
-  _mm256_storeu_ps(a1, v1);
-  _mm256_storeu_ps(a2, v2);
-  _mm256_storeu_ps(a3, v3);
-#endif
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      a0[j] += q[d + j] * k0[d + j];
-      a1[j] += q[d + j] * k1[d + j];
-      a2[j] += q[d + j] * k2[d + j];
-      a3[j] += q[d + j] * k3[d + j];
-    }
-  }
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
-  for (; d < n; ++d) {
-    s[0] += q[d] * k0[d];
-    s[1] += q[d] * k1[d];
-    s[2] += q[d] * k2[d];
-    s[3] += q[d] * k3[d];
-  }
-  for (int j = 0; j < kLanes; ++j) {
-    s[0] += a0[j];
-    s[1] += a1[j];
-    s[2] += a2[j];
-    s[3] += a3[j];
-  }
-  std::memcpy(result, s, sizeof(s));
-}
-
-inline float dot1(const float* q, const float* k, int64_t n) {
-  float a[kLanes] = {};
-  int64_t d = 0;
-#ifdef PAGEDSERVE_AVX2
-  __m256 v = _mm256_setzero_ps();
-  for (; d + kLanes <= n; d += kLanes) v = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), v);
-  _mm256_storeu_ps(a, v);
-#endif
-  for (; d + kLanes <= n; d += kLanes) {
-    for (int j = 0; j < kLanes; ++j) a[j] += q[d + j] * k[d + j];
-  }
-  float s = 0.f;
-  for (; d < n; ++d) s += q[d] * k[d];
-  for (int j = 0; j < kLanes; ++j) s += a[j];
-  return s;
-}
-
-// acc += w0 * v0 + w1 * v1: two rows per pass halve the traffic on acc.
-inline void axpy2(float* acc, float w0, const float* v0, float w1, const float* v1, int64_t n) {
-  int64_t d = 0;
-#ifdef PAGEDSERVE_AVX2
-  const __m256 x0 = _mm256_set1_ps(w0), x1 = _mm256_set1_ps(w1);
-  for (; d + kLanes <= n; d += kLanes) {
-    const __m256 a = _mm256_fmadd_ps(x0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(acc + d));
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(x1, _mm256_loadu_ps(v1 + d), a));
-  }
-#endif
-  for (; d < n; ++d) acc[d] += w0 * v0[d] + w1 * v1[d];
-}
-
-inline void axpy1(float* acc, float w0, const float* v0, int64_t n) {
-  int64_t d = 0;
-#ifdef PAGEDSERVE_AVX2
-  const __m256 x0 = _mm256_set1_ps(w0);
-  for (; d + kLanes <= n; d += kLanes) {
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(x0, _mm256_loadu_ps(v0 + d), _mm256_loadu_ps(acc + d)));
-  }
-#endif
-  for (; d < n; ++d) acc[d] += w0 * v0[d];
-}
-
-// acc[0:H] += sum_t p[t] * v[t]: each 32-wide slice of acc stays in four registers
-// across all n rows of a block, instead of a load and a store per row pair.
-inline void weighted_rows(float* acc, const float* p, const float* v, int64_t n, int64_t H) {
-  int64_t d = 0;
-#ifdef PAGEDSERVE_AVX2
-  for (; d + 4 * kLanes <= H; d += 4 * kLanes) {
-    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 w = _mm256_set1_ps(p[t]);
-      const float* row = v + t * H + d;
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
-    }
-    _mm256_storeu_ps(acc + d, a0);
-    _mm256_storeu_ps(acc + d + 8, a1);
-    _mm256_storeu_ps(acc + d + 16, a2);
-    _mm256_storeu_ps(acc + d + 24, a3);
-  }
-#endif
-  if (d == H) return;
-  int64_t t = 0;  // head sizes that are not a multiple of 32: the rest, two rows per pass
-  for (; t + 2 <= n; t += 2) axpy2(acc + d, p[t], v + t * H + d, p[t + 1], v + (t + 1) * H + d, H - d);
-  if (t < n) axpy1(acc + d, p[t], v + t * H + d, H - d);
-}
-
-// exp(x - m) for a row of n logits, written in place. AVX2: Cephes' expf polynomial on
-// eight lanes (relative error < 2e-7, as glibc's), instead of one libm call per logit.
-inline void exp_shifted(float* l, float m, int64_t n) {
-  int64_t t = 0;
-#ifdef PAGEDSERVE_AVX2
-  const __m256 vm = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f), log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.f);
-  for (; t + kLanes <= n; t += kLanes) {
-    __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(l + t), vm), lo);  // x <= 0
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(k, c2, _mm256_fnmadd_ps(k, c1, x));  // x - k ln2 in two parts
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), one);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    _mm256_storeu_ps(l + t, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-  }
-#endif
-  for (; t < n; ++t) l[t] = std::exp(l[t] - m);
-}
-
-// Per-thread buffers, reused across work items.
+// Per-thread buffers, grown as needed and kept across calls.
 struct Scratch {
-  std::vector<float> query;   // [group, head_size], pre-scaled
-  std::vector<float> logits;  // [group, context_len]
-  std::vector<float> rows;    // [block_size, head_size] converted K or V block
-  std::vector<float> acc;     // [group, head_size]
-  std::vector<float> inv_sum; // [group]
+  std::vector<float> logits;     // [group, span rounded up to N]
+  std::vector<float> acc;        // [group, head_size]
+  std::vector<float> max_logit;  // [group]
+  std::vector<float> sum;        // [group]
 };
 
-struct Shapes {
-  int64_t num_kv_heads, group, head_size, block_size, max_blocks;
-  int64_t q_stride_seq, q_stride_head;  // query may be a strided view
-  float scale;
-};
-
-// Returns the float32 rows of one (block, kv head): the cache itself for
-// float32, else a converted copy in scratch.
-template <typename T>
-inline const float* block_rows(const T* cache, int64_t block, int64_t kv_head, int64_t n, const Shapes& sh,
-                               std::vector<float>& buf) {
-  const T* src = cache + (block * sh.num_kv_heads + kv_head) * sh.block_size * sh.head_size;
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    to_float(src, buf.data(), n * sh.head_size);
-    return buf.data();
+template <int N, typename T>
+void write_rows(T* out,            // [group, head_size] of one sequence's output
+                const float* acc,  // [group, head_size]
+                const float* sum, const Geometry& g) {
+  for (int64_t h = 0; h < g.group; ++h) {
+    const float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;  // no context: zeros
+    for (int64_t d = 0; d < g.head_size; d += N) {
+      simd::store<N>(out + h * g.head_size + d, simd::load<N>(acc + h * g.head_size + d) * inv);
+    }
   }
 }
 
+// Merges the spans of one (sequence, head): out = sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i.
 template <typename T>
-void attend_one(T* out,                  // [num_seqs, num_heads, head_size]
-                const T* query,          // [num_seqs, num_heads, head_size] (strided)
-                const T* key_cache,      // [num_blocks, num_kv_heads, block_size, head_size]
-                const T* value_cache,    // [num_blocks, num_kv_heads, block_size, head_size]
-                const int32_t* table,    // [max_blocks] this sequence's block table
-                int64_t context_len, int64_t seq, int64_t kv_head, const Shapes& sh, Scratch& sc) {
-  const int64_t G = sh.group, H = sh.head_size, B = sh.block_size;
-  const int64_t first_head = kv_head * G;
-  T* out_rows = out + (seq * sh.num_kv_heads * G + first_head) * H;
-  if (context_len <= 0) {  // nothing to attend to: defined as zeros
-    std::fill(sc.acc.begin(), sc.acc.begin() + G * H, 0.f);
-    from_float(sc.acc.data(), out_rows, G * H, 1.f);
-    return;
+void merge_spans(T* out,               // [head_size]
+                 const float* states,  // [num_spans, head_size + 2]: acc, max logit, sum
+                 int64_t num_spans, int64_t head_size, float* row) {
+  const int64_t stride = head_size + 2;
+  float m = -std::numeric_limits<float>::infinity(), total = 0.f;
+  for (int64_t i = 0; i < num_spans; ++i) {
+    if (states[i * stride + head_size + 1] > 0.f) m = std::max(m, states[i * stride + head_size]);
   }
-  sc.logits.resize(G * context_len);
-  for (int64_t g = 0; g < G; ++g) {
-    const T* q = query + seq * sh.q_stride_seq + (first_head + g) * sh.q_stride_head;
-    to_float(q, sc.query.data() + g * H, H);
-    for (int64_t d = 0; d < H; ++d) sc.query[g * H + d] *= sh.scale;
+  std::fill(row, row + head_size, 0.f);
+  for (int64_t i = 0; i < num_spans; ++i) {
+    const float* st = states + i * stride;
+    if (st[head_size + 1] <= 0.f) continue;  // an empty span
+    const float w = std::exp(st[head_size] - m);
+    total += w * st[head_size + 1];
+    for (int64_t d = 0; d < head_size; ++d) row[d] += w * st[d];
   }
-
-  // Pass 1: logits = (scale * q) . k for every cached token.
-  const int64_t num_blocks = (context_len + B - 1) / B;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t n = std::min(B, context_len - b * B);
-    const float* k = block_rows(key_cache, table[b], kv_head, n, sh, sc.rows);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* q = sc.query.data() + g * H;
-      float* l = sc.logits.data() + g * context_len + b * B;
-      int64_t t = 0;
-      for (; t + 4 <= n; t += 4) dot4(q, k + t * H, k + (t + 1) * H, k + (t + 2) * H, k + (t + 3) * H, H, l + t);
-      for (; t < n; ++t) l[t] = dot1(q, k + t * H, H);
-    }
-  }
-
-  // Safe softmax: subtract the max so exp never overflows.
-  std::vector<float>& inv_sum = sc.inv_sum;
-  for (int64_t g = 0; g < G; ++g) {
-    float* l = sc.logits.data() + g * context_len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < context_len; ++t) m = std::max(m, l[t]);
-    exp_shifted(l, m, context_len);
-    float sum = 0.f;
-    for (int64_t t = 0; t < context_len; ++t) sum += l[t];
-    inv_sum[g] = 1.f / sum;
-  }
-
-  // Pass 2: out = sum_t p_t * v_t, normalized once at the end.
-  std::fill(sc.acc.begin(), sc.acc.begin() + G * H, 0.f);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t n = std::min(B, context_len - b * B);
-    const float* v = block_rows(value_cache, table[b], kv_head, n, sh, sc.rows);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = sc.logits.data() + g * context_len + b * B;
-      weighted_rows(sc.acc.data() + g * H, p, v, n, H);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) from_float(sc.acc.data() + g * H, out_rows + g * H, H, inv_sum[g]);
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t d = 0; d < head_size; ++d) out[d] = static_cast<T>(row[d] * inv);
 }
 
-template <typename T>
-void paged_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                          const at::Tensor& value_cache, const int32_t* tables, const int32_t* lens,
-                          const Shapes& sh, int64_t num_seqs) {
+template <int N, typename T>
+void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t num_seqs, const Geometry& g) {
   T* out_ptr = reinterpret_cast<T*>(out.data_ptr());
   const T* q_ptr = reinterpret_cast<const T*>(query.data_ptr());
   const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
   const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
-  const int64_t num_items = num_seqs * sh.num_kv_heads;
-#pragma omp parallel
+  const Plan plan = make_plan(lens, num_seqs, g);
+  const int64_t H = g.head_size, heads = g.num_kv_heads * g.group;
+  const int64_t num_items = num_seqs * g.num_kv_heads * plan.num_spans;
+  // Span results [num_seqs, num_heads, num_spans, head_size + 2], only when contexts are split.
+  std::vector<float> states(plan.num_spans > 1 ? num_items * g.group * (H + 2) : 0);
+  std::atomic<int64_t> next{0};
+#pragma omp parallel if (plan.parallel)
   {
-    Scratch sc;
-    sc.query.resize(sh.group * sh.head_size);
-    sc.rows.resize(sh.block_size * sh.head_size);
-    sc.acc.resize(sh.group * sh.head_size);
-    sc.inv_sum.resize(sh.group);
-    // Dynamic: context lengths differ between sequences.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t seq = item / sh.num_kv_heads;
-      const int64_t kv_head = item % sh.num_kv_heads;
-      attend_one<T>(out_ptr, q_ptr, k_ptr, v_ptr, tables + seq * sh.max_blocks, lens[seq], seq, kv_head, sh, sc);
+    static thread_local Scratch sc;
+    sc.logits.resize(std::max<size_t>(sc.logits.size(), g.group * ((plan.span + N - 1) / N * N)));
+    sc.acc.resize(g.group * H);
+    sc.max_logit.resize(g.group);
+    sc.sum.resize(g.group);
+    share_items(next, num_items, [&](int64_t item) {
+      const int64_t seq = item / (g.num_kv_heads * plan.num_spans);
+      const int64_t kv_head = item / plan.num_spans % g.num_kv_heads, span = item % plan.num_spans;
+      const Item<T> it{q_ptr + seq * g.q_stride_seq + kv_head * g.group * g.q_stride_head, k_ptr, v_ptr,
+                       tables + seq * max_blocks, kv_head, span * plan.span,
+                       std::min<int64_t>(lens[seq], (span + 1) * plan.span)};
+      std::fill(sc.sum.begin(), sc.sum.end(), 0.f);
+      if (it.end > it.begin) {
+        attn::attend<N>(sc.acc.data(), sc.max_logit.data(), sc.sum.data(), sc.logits.data(), it, g);
+      } else {
+        std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+      }
+      if (plan.num_spans == 1) {
+        write_rows<N>(out_ptr + (seq * heads + kv_head * g.group) * H, sc.acc.data(), sc.sum.data(), g);
+        return;
+      }
+      for (int64_t h = 0; h < g.group; ++h) {  // -> states[seq, kv_head * group + h, span]
+        float* st = states.data() + (((seq * heads + kv_head * g.group + h) * plan.num_spans) + span) * (H + 2);
+        std::copy(sc.acc.begin() + h * H, sc.acc.begin() + (h + 1) * H, st);
+        st[H] = sc.max_logit[h];
+        st[H + 1] = sc.sum[h];
+      }
+    });
+  }
+  if (plan.num_spans > 1) {  // a few rows: on the calling thread, no second wake-up of the team
+    std::vector<float> row(H);
+    for (int64_t r = 0; r < num_seqs * heads; ++r) {
+      merge_spans(out_ptr + r * H, states.data() + r * plan.num_spans * (H + 2), plan.num_spans, H, row.data());
     }
+  }
+}
+
+template <typename T>
+void dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+              const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t num_seqs, const Geometry& g) {
+  // The widest vectors that tile a head; other head sizes run one lane at a time.
+  if (g.head_size % simd::kNative == 0) {
+    run<simd::kNative, T>(out, query, key_cache, value_cache, tables, max_blocks, lens, num_seqs, g);
+  } else {
+    run<1, T>(out, query, key_cache, value_cache, tables, max_blocks, lens, num_seqs, g);
   }
 }
 
@@ -358,18 +203,15 @@ void paged_attention(
       TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", s, "][", b, "] = ", id, " is outside the cache");
     }
   }
-  const Shapes sh{num_kv_heads, num_heads / num_kv_heads, head_size, block_size, max_blocks,
-                  query.stride(0), query.stride(1), static_cast<float>(scale)};
+  const Geometry g{num_kv_heads, num_heads / num_kv_heads, head_size, block_size,
+                   query.stride(0), query.stride(1), static_cast<float>(scale)};
   switch (dtype) {
     case at::kFloat:
-      paged_attention_impl<float>(out, query, key_cache, value_cache, table_ptr, len_ptr, sh, num_seqs);
-      break;
+      return dispatch<float>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, num_seqs, g);
     case at::kBFloat16:
-      paged_attention_impl<c10::BFloat16>(out, query, key_cache, value_cache, table_ptr, len_ptr, sh, num_seqs);
-      break;
+      return dispatch<c10::BFloat16>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, num_seqs, g);
     case at::kHalf:
-      paged_attention_impl<c10::Half>(out, query, key_cache, value_cache, table_ptr, len_ptr, sh, num_seqs);
-      break;
+      return dispatch<c10::Half>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, num_seqs, g);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", dtype);
   }

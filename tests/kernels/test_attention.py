@@ -60,6 +60,33 @@ def test_long_context_uses_partitions_and_matches(device):
     torch.testing.assert_close(out, ref, **tolerances(torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gqa_groups_over_long_split_contexts(dtype, group, block_size, threads):
+    # Fewer (sequence, kv head) items than threads can share and enough work: with 2 threads the CPU
+    # kernel cuts each context into spans (merged by max logit and sum), some past a short sequence's end.
+    case = make_case(1, group, 64, block_size, [17001, 37, 0], dtype, "cpu", seed=group * block_size)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ref = run_both(*case)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [16, 20, 40, 80])
+def test_head_sizes_off_the_vector_width(dtype, head_size):
+    # 16 and 80 fill whole 16-lane vectors (80: a masked bf16 pair on AVX-512); 20 and 40 take the one-lane path there.
+    case = make_case(2, 3, head_size, 16, [1, 19, 64], dtype, "cpu", seed=head_size)
+    out, ref = run_both(*case)
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_zero_context_gives_zeros_and_large_logits_stay_finite(device):
     query, key_cache, value_cache, tables, lens = make_case(2, 2, 64, 8, [0, 20], torch.float32, device, seed=7)

@@ -1,0 +1,234 @@
+// One work item of CPU paged decode attention: every query head of one kv-head
+// group (GQA) against one span of one sequence's paged context. Each K and V row
+// comes from memory once for the whole group: QK takes 8 K rows at a time and
+// feeds each K vector to kQkTile heads from registers (the rest from L1), PV
+// feeds each V row to kMaxTile heads' accumulators (larger groups: a pass per
+// tile, from cache). float32 accumulation throughout.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "simd.h"
+
+namespace pagedserve {
+namespace cpu {
+namespace attn {
+
+using simd::Vec;
+
+constexpr int kMaxTile = 4;  // query heads whose V accumulators share registers
+
+struct Geometry {
+  int64_t num_kv_heads, group, head_size, block_size;
+  int64_t q_stride_seq, q_stride_head;  // query may be a strided view
+  float scale;
+};
+
+// One (sequence, kv head, context span) and where its result goes.
+template <typename T>
+struct Item {
+  const T* query;        // [group, head_size] rows q_stride_head apart
+  const T* key_cache;    // [num_blocks, num_kv_heads, block_size, head_size]
+  const T* value_cache;  // [num_blocks, num_kv_heads, block_size, head_size]
+  const int32_t* table;  // [max_blocks] the sequence's block table
+  int64_t kv_head, begin, end;  // tokens [begin, end) of the context
+};
+
+// Row `offset` of the item's kv head in logical block `block` of its sequence.
+template <typename T>
+inline const T* row(const T* cache, const Item<T>& it, int64_t block, int64_t offset, const Geometry& g) {
+  const int64_t physical = it.table[block];
+  return cache + ((physical * g.num_kv_heads + it.kv_head) * g.block_size + offset) * g.head_size;
+}
+
+// Blocks are scattered in memory, so the hardware prefetcher (which follows
+// address streams) misses the start of each one: while QK works on block b,
+// ask for K of block b + kAhead and V of block b (read back by PV after the softmax).
+constexpr int64_t kAhead = 2;
+
+template <typename T>
+inline void prefetch_block(const T* cache, const Item<T>& it, int64_t block, const Geometry& g) {
+  if (block * g.block_size >= it.end) return;
+  const char* p = reinterpret_cast<const char*>(row(cache, it, block, 0, g));
+  const int64_t bytes = g.block_size * g.head_size * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
+// Query heads per pass over the K rows: each K vector feeds GT heads' FMAs from
+// registers. 8 keys x 3 heads of accumulators fill 24 of AVX-512's 32 registers.
+constexpr int kQkTile = simd::kNative == 16 ? 3 : 1;
+
+// out[h][t] = q_h . k_t for GT heads and M key rows: M accumulators per head,
+// then one transpose-and-add per head instead of M horizontal sums. H is a multiple of M.
+template <int M, int GT, typename T>
+inline void dots(Vec<M> (&out)[GT], const T* q, int64_t q_stride, const T* const (&k)[M], int64_t H) {
+  Vec<M> acc[GT][M] = {};
+#if defined(__AVX512BF16__)
+  if constexpr (M == 8 && std::is_same_v<T, c10::BFloat16>) {
+    // vdpbf16ps: two bf16 products per lane, exact in float32, summed in float32.
+    for (int64_t d = 0; d < H; d += 16) {
+      __m256bh qd[GT];
+      for (int h = 0; h < GT; ++h) {
+        qd[h] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + h * q_stride + d));
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < M; ++t) {
+        const __m256bh x = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[t] + d));
+        for (int h = 0; h < GT; ++h) acc[h][t] = _mm256_dpbf16_ps(acc[h][t], qd[h], x);
+      }
+    }
+    for (int h = 0; h < GT; ++h) out[h] = simd::transpose_add<M>(acc[h]);
+    return;
+  }
+#endif
+  for (int64_t d = 0; d < H; d += M) {
+    Vec<M> qd[GT];
+    for (int h = 0; h < GT; ++h) qd[h] = simd::load<M>(q + h * q_stride + d);
+#pragma GCC unroll 8
+    for (int t = 0; t < M; ++t) {
+      Vec<M> x = simd::load<M>(k[t] + d);
+      if constexpr (GT > 1) simd::keep_in_register<M>(x);  // loaded once for all GT heads
+      for (int h = 0; h < GT; ++h) acc[h][t] += qd[h] * x;
+    }
+  }
+  for (int h = 0; h < GT; ++h) out[h] = simd::transpose_add<M>(acc[h]);
+}
+
+template <int M, int GT, typename T>
+inline void qk_tile(float* logits, int64_t padded, const T* q, const T* const (&k)[M], const Geometry& g) {
+  Vec<M> s[GT];
+  dots<M, GT>(s, q, g.q_stride_head, k, g.head_size);
+  for (int h = 0; h < GT; ++h) simd::store<M>(logits + h * padded, s[h] * g.scale);
+}
+
+// logits[h][0, len) = scale * q_h . k_j for every head h of the group; lanes
+// [len, padded) hold repeats of the last token's score or are left unset.
+// M keys per step: the tree that sums the lanes costs about 3 M-lane
+// operations per key, so 8 lanes beat 16 even where zmm registers exist.
+template <int N, typename T>
+void qk(float* logits,  // [group, padded]
+        int64_t padded, const Item<T>& it, const Geometry& g) {
+  constexpr int M = N > 8 ? 8 : N;
+  const T* k[M];
+  int64_t block = it.begin / g.block_size, offset = it.begin % g.block_size;  // no division per row
+  for (int64_t b = block; b < block + kAhead; ++b) prefetch_block(it.key_cache, it, b, g);
+  prefetch_block(it.value_cache, it, block, g);
+  for (int64_t j = it.begin; j < it.end; j += M) {
+    for (int t = 0; t < M; ++t) {
+      if (j + t == it.end) {  // the padding lanes repeat the last row
+        for (; t < M; ++t) k[t] = k[t - 1];
+        break;
+      }
+      k[t] = row(it.key_cache, it, block, offset, g);
+      if (++offset == g.block_size) {
+        offset = 0, ++block;
+        prefetch_block(it.key_cache, it, block + kAhead - 1, g);
+        prefetch_block(it.value_cache, it, block, g);
+      }
+    }
+    for (int64_t h = 0; h < g.group; h += kQkTile) {
+      float* l = logits + h * padded + (j - it.begin);
+      const T* q = it.query + h * g.q_stride_head;
+      switch (std::min<int64_t>(kQkTile, g.group - h)) {
+        case 1: qk_tile<M, 1>(l, padded, q, k, g); break;
+        case 2: qk_tile<M, 2>(l, padded, q, k, g); break;
+        default: qk_tile<M, kQkTile>(l, padded, q, k, g); break;
+      }
+    }
+  }
+}
+
+// In place: p = exp(l - max) over [0, len), zeros in [len, padded); returns the max, sum in *sum.
+template <int N>
+float softmax_numerators(float* l, int64_t len, int64_t padded, float* sum) {
+  Vec<N> mv = simd::splat<N>(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + N <= len; t += N) mv = simd::max<N>(mv, simd::load<N>(l + t));
+  float m = simd::reduce_max<N>(mv);
+  for (; t < len; ++t) m = std::max(m, l[t]);
+  Vec<N> sv = {};
+  for (t = 0; t < padded; t += N) {
+    Vec<N> p = simd::exp<N>(simd::load<N>(l + t) - m);
+    if (t + N > len) {
+      for (int i = static_cast<int>(len - t); i < N; ++i) p[i] = 0.f;
+    }
+    simd::store<N>(l + t, p);
+    sv += p;
+  }
+  *sum = simd::reduce_add<N>(sv);
+  return m;
+}
+
+// acc[h][d0, d0 + S*N) = sum_j p[h][j] * v_j[d0, ...) for GT heads: the V row slice
+// is loaded (and widened) once and feeds GT * S accumulators held in registers.
+template <int N, int GT, int S, typename T>
+void pv_slice(float* acc,       // [GT, head_size]
+              const float* p,   // [GT, padded] softmax numerators
+              int64_t padded, int64_t d0, const Item<T>& it, const Geometry& g) {
+  Vec<N> a[GT][S] = {};
+  const int64_t B = g.block_size, H = g.head_size;
+  for (int64_t j = it.begin, block = j / B, offset = j % B; j < it.end; ++block, offset = 0) {
+    const T* v = row(it.value_cache, it, block, offset, g) + d0;  // block by block: one table lookup each
+    const int64_t n = std::min(B - offset, it.end - j);
+    const float* pj = p + (j - it.begin);
+    j += n;
+    for (int64_t r = 0; r < n; ++r, v += H) {
+      Vec<N> x[S];
+      for (int s = 0; s < S; ++s) {
+        x[s] = simd::load<N>(v + s * N);
+        simd::keep_in_register<N>(x[s]);  // once per row, not once per head
+      }
+      for (int h = 0; h < GT; ++h) {
+        const Vec<N> w = simd::splat<N>(pj[h * padded + r]);
+        for (int s = 0; s < S; ++s) a[h][s] += w * x[s];
+      }
+    }
+  }
+  for (int h = 0; h < GT; ++h) {
+    for (int s = 0; s < S; ++s) simd::store<N>(acc + h * H + d0 + s * N, a[h][s]);
+  }
+}
+
+template <int N, int GT, typename T>
+void pv_tile(float* acc, const float* p, int64_t padded, const Item<T>& it, const Geometry& g) {
+  // zmm: 4 vectors per head (16 accumulators for 4 heads); ymm/xmm have 16 registers in all.
+  constexpr int S = N == 16 ? 4 : 2;
+  int64_t d0 = 0;
+  for (; d0 + S * N <= g.head_size; d0 += S * N) pv_slice<N, GT, S>(acc, p, padded, d0, it, g);
+  for (; d0 < g.head_size; d0 += N) pv_slice<N, GT, 1>(acc, p, padded, d0, it, g);
+}
+
+// acc[h][:] = sum_j p[h][j] * v_j for every head of the group, in tiles of up to kMaxTile heads.
+template <int N, typename T>
+void pv(float* acc,      // [group, head_size]
+        const float* p,  // [group, padded]
+        int64_t padded, const Item<T>& it, const Geometry& g) {
+  for (int64_t h0 = 0; h0 < g.group; h0 += kMaxTile) {
+    float* a = acc + h0 * g.head_size;
+    const float* ph = p + h0 * padded;
+    switch (std::min<int64_t>(kMaxTile, g.group - h0)) {
+      case 1: pv_tile<N, 1>(a, ph, padded, it, g); break;
+      case 2: pv_tile<N, 2>(a, ph, padded, it, g); break;
+      case 3: pv_tile<N, 3>(a, ph, padded, it, g); break;
+      default: pv_tile<N, 4>(a, ph, padded, it, g); break;
+    }
+  }
+}
+
+// Attention of the item's group over its span: unnormalized acc [group, head_size]
+// plus each head's max logit and sum of exp(l - max). logits: [group, padded] scratch.
+template <int N, typename T>
+void attend(float* acc, float* max_logit, float* sum, float* logits, const Item<T>& it, const Geometry& g) {
+  const int64_t len = it.end - it.begin, padded = (len + N - 1) / N * N;
+  qk<N>(logits, padded, it, g);
+  for (int64_t h = 0; h < g.group; ++h) {
+    max_logit[h] = softmax_numerators<N>(logits + h * padded, len, padded, sum + h);
+  }
+  pv<N>(acc, logits, padded, it, g);
+}
+
+}  // namespace attn
+}  // namespace cpu
+}  // namespace pagedserve
