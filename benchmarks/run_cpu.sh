@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The CPU numbers of docs/benchmarks.md, in one go (about 25 minutes on 2 cores; run on a quiet machine).
+#
+#   bash benchmarks/run_cpu.sh            # everything: served sweeps, HF baselines, offline, decode-step profile
+#   OUT=/tmp/results bash benchmarks/run_cpu.sh
+#   PARTS="hf offline" bash benchmarks/run_cpu.sh   # some of: served hf plot offline profile
+#
+# Every server is started here on a free port and stopped before the next one, so runs never overlap.
+# JSON goes to $OUT (default benchmarks/results/), the plot to $OUT/serving.png.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-benchmarks/results}
+SWEEP=${SWEEP:-1,2,4,8,16,32}
+PARTS=" ${PARTS:-served hf plot offline profile} "
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
+
+port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# serve LABEL JSON SWEEP CMD...: start CMD (a server on $PORT), wait for /health, sweep it, stop it.
+serve() {
+    local label=$1 json=$2 sweep=$3; shift 3
+    "$@" > "$OUT/$json.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 300); do
+        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+        kill -0 "$pid" 2> /dev/null || { tail -20 "$OUT/$json.log"; exit 1; }
+        sleep 1
+    done
+    "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --label "$label" --sweep "$sweep" \
+        --rounds 2 --num-prompts-min 4 --strict --output-json "$OUT/$json.json"
+    kill -INT "$pid"; wait "$pid" || true
+}
+
+part() { [[ $PARTS == *" $1 "* ]]; }
+
+if part served; then
+    for dtype in float32 bfloat16; do
+        PORT=$(port); serve "pagedserve ($dtype)" "ours_$dtype" "$SWEEP" \
+            "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype "$dtype"
+    done
+fi
+if part hf; then  # what a user would write without pagedserve: HF generate behind the same API
+    for dtype in float32 bfloat16; do
+        PORT=$(port); serve "HF generate, one at a time ($dtype)" "hf_$dtype" 1,4 \
+            "$PY" benchmarks/hf_server.py --port "$PORT" --dtype "$dtype"
+    done
+fi
+if part plot; then
+    "$PY" benchmarks/plot.py "$OUT"/ours_float32.json "$OUT"/ours_bfloat16.json "$OUT"/hf_float32.json \
+        "$OUT"/hf_bfloat16.json -o "$OUT/serving.png"
+fi
+
+# Offline: LLM.generate against HF's sequential and static padded batches, both dtypes for HF.
+if part offline; then
+    "$PY" benchmarks/throughput.py --num-prompts 128 --dtype float32 --hf-batch-sizes 32,64,128 \
+        --hf-dtypes float32,bfloat16 --hf-sequential-prompts 1 --quiet --output-json "$OUT/throughput_float32.json"
+    "$PY" benchmarks/throughput.py --num-prompts 128 --dtype bfloat16 --skip-hf --quiet \
+        --output-json "$OUT/throughput_bfloat16.json"
+fi
+
+# Where a decode step and a prefill go.
+part profile && for dtype in float32 bfloat16; do
+    "$PY" benchmarks/profile_step.py --dtype "$dtype" --steps 32 --output-json "$OUT/profile_decode_$dtype.json"
+    "$PY" benchmarks/profile_step.py --dtype "$dtype" --prefill --output-json "$OUT/profile_prefill_$dtype.json"
+done
+echo "results in $OUT"
