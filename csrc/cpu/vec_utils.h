@@ -1,5 +1,5 @@
 // Scalar helpers written so that gcc auto-vectorizes the loops that use them
-// (no branches, no libm calls): bfloat16 <-> float32 and a polynomial exp.
+// (no branches, no libm calls): bfloat16 <-> float32. The vectorized exp lives in simd.h.
 // Shared by the elementwise kernels (layernorm.cpp, activation.cpp, pos_encoding.cpp).
 #pragma once
 
@@ -59,25 +59,6 @@ inline float round_to(float v) {
   } else {
     return v;
   }
-}
-
-// exp(x) for x in float32, Cephes' expf polynomial (max error ~2 ulp);
-// inputs are clamped to the finite range, so no inf and no denormals.
-inline float exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  // Round to the nearest integer by adding and removing 1.5 * 2^23 (floorf would not vectorize).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t e = static_cast<int32_t>(n) + 127;
-  return p * bits_to_float(static_cast<uint32_t>(e) << 23);
 }
 
 }  // namespace vec

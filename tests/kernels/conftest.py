@@ -1,6 +1,8 @@
 """Shared helpers for the kernel tests: devices, random paged caches, block tables."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -38,3 +40,14 @@ def random_block_tables(context_lens: list[int], block_size: int, num_blocks: in
         tables[i, :k] = perm[start:start + k].to(torch.int32)
         start += k
     return tables
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch.set_num_threads(n) for the block (the compiled ops share torch's OpenMP pool)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

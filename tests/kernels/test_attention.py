@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import ops
-from tests.kernels.conftest import DEVICES, random_block_tables, tolerances
+from tests.kernels.conftest import DEVICES, random_block_tables, tolerances, torch_threads
 
 CONTEXT_LENS = [1, 17, 100, 33]  # 1 token, crossing block edges, several blocks
 
@@ -68,12 +68,8 @@ def test_gqa_groups_over_long_split_contexts(dtype, group, block_size, threads):
     # Fewer (sequence, kv head) items than threads can share and enough work: with 2 threads the CPU
     # kernel cuts each context into spans (merged by max logit and sum), some past a short sequence's end.
     case = make_case(1, group, 64, block_size, [17001, 37, 0], dtype, "cpu", seed=group * block_size)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out, ref = run_both(*case)
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     torch.testing.assert_close(out, ref, **tolerances(dtype))
 

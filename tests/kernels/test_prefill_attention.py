@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import ops
-from tests.kernels.conftest import random_block_tables, tolerances
+from tests.kernels.conftest import random_block_tables, tolerances, torch_threads
 
 
 def fused_qkv(num_tokens, num_kv_heads, group, head_size, dtype, gen):
@@ -78,12 +78,8 @@ def test_head_sizes_off_the_vector_width(dtype, head_size):
 def test_long_prompt_same_on_any_thread_count(dtype, threads):
     # Enough work for the OpenMP path: keys packed by several threads, tiles scheduled dynamically.
     case = paged_case(300, 64, 3, 3, 64, 16, dtype, seed=9)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out, ref = run_both(*case)
-    finally:
-        torch.set_num_threads(previous)
     torch.testing.assert_close(out, ref, **tolerances(dtype))
 
 
