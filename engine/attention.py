@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     xops = None
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size]
+_ONE_BLOCK = torch.zeros(1, dtype=torch.int32)  # [1]: the block table of a prefill's own K/V seen as one block
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Attention(torch.nn.Module):
         rows = slice(span.start, span.end)
         if span.num_cached == 0:  # this step's own K/V rows, seen as one block: [1, num_kv_heads, q_len, head_size]
             k, v = key[rows].transpose(0, 1).unsqueeze(0), value[rows].transpose(0, 1).unsqueeze(0)
-            table = torch.zeros(1, dtype=torch.int32)
+            table = _ONE_BLOCK
         else:  # the blocks hold the prefix and, just written, this step's K/V
             k, v, table = kv_cache[0], kv_cache[1], span.block_table
         ops.prefill_attention(out[rows], query[rows], k, v, table, span.context_len, self.scale)
@@ -105,8 +106,8 @@ class Attention(torch.nn.Module):
         else:
             # The prefix cache already holds the first tokens: read the whole context back from the blocks
             # (this step's K/V were just written there too) and offset the causal mask by num_cached.
-            k = _gather_context(kv_cache[0], span.block_table, span.context_len)  # [num_kv_heads, ctx, head_size]
-            v = _gather_context(kv_cache[1], span.block_table, span.context_len)
+            k = ops.gather_context(kv_cache[0], span.block_table, span.context_len)  # [num_kv_heads, ctx, head_size]
+            v = ops.gather_context(kv_cache[1], span.block_table, span.context_len)
             q_len = span.end - span.start
             mask = torch.ones(q_len, span.context_len, dtype=torch.bool, device=q.device).tril(span.num_cached)
         groups = self.num_heads // self.num_kv_heads
@@ -126,16 +127,6 @@ class Attention(torch.nn.Module):
         v = value[:, :, None, :].expand(t, self.num_kv_heads, groups, self.head_size).unsqueeze(0)
         out = xops.memory_efficient_attention_forward(q, k, v, attn_bias=bias, scale=self.scale)
         return out.view(t, self.num_heads, self.head_size)
-
-
-def _gather_context(
-    cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
-    block_table: torch.Tensor,  # [num_seq_blocks] int32
-    context_len: int,
-) -> torch.Tensor:  # [num_kv_heads, context_len, head_size]
-    blocks = cache[block_table.long()]  # [num_seq_blocks, num_kv_heads, block_size, head_size]
-    kv_heads, head_size = blocks.shape[1], blocks.shape[3]
-    return blocks.transpose(0, 1).reshape(kv_heads, -1, head_size)[:, :context_len]
 
 
 def make_prefill_bias(prefills: list[PrefillSpan]):

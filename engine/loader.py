@@ -167,7 +167,7 @@ def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torc
 
     float32 on CPU keeps Hugging Face's numerics, and greedy tokens that do not depend on the batch in
     practice (the same with and without preemption: tests/e2e, tests/reliability). `--dtype bfloat16` is
-    1.5-1.6x faster on CPUs with AVX-512 BF16 or AMX (docs/benchmarks.md), but its coarser rounding makes
+    1.4-1.65x faster on CPUs with AVX-512 BF16 or AMX (docs/benchmarks.md), but its coarser rounding makes
     a token depend, now and then, on the batch it was computed in: the choice is the user's.
     """
     if config.dtype != "auto":

@@ -355,6 +355,17 @@ def ref_rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache
     x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
 
 
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_table: torch.Tensor,  # [num_seq_blocks] int32
+    context_len: int,
+) -> torch.Tensor:  # [num_kv_heads, context_len, head_size]
+    """One sequence's first context_len cached K (or V) rows, in order, copied out of its blocks."""
+    blocks = cache[block_table.long().to(cache.device)]  # [num_seq_blocks, num_kv_heads, block_size, head_size]
+    num_kv_heads, head_size = blocks.shape[1], blocks.shape[3]
+    return blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :context_len]
+
+
 def ref_paged_attention(
     out: torch.Tensor,  # [num_seqs, num_heads, head_size]
     query: torch.Tensor,  # [num_seqs, num_heads, head_size]
@@ -365,21 +376,20 @@ def ref_paged_attention(
     scale: float,
 ) -> None:
     """Plain-torch paged decode attention, float32 math, one sequence at a time."""
-    num_kv_heads, block_size, head_size = key_cache.shape[1:]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = query.shape[1] // num_kv_heads
     for i, n in enumerate(context_lens.tolist()):
         if n == 0:  # nothing cached: defined as zeros
             out[i].zero_()
             continue
-        blocks = block_tables[i, : (n + block_size - 1) // block_size].long().to(key_cache.device)
+        table = block_tables[i, : (n + block_size - 1) // block_size]
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [n, num_heads, head_size]
-            rows = cache[blocks].transpose(1, 2).reshape(-1, num_kv_heads, head_size)[:n]
-            return rows.float().repeat_interleave(group, dim=1)
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, n, head_size]
+            return gather_context(cache, table, n).float().repeat_interleave(group, dim=0)
 
-        scores = torch.einsum("hd,nhd->hn", query[i].float(), gather(key_cache)) * scale
+        scores = torch.einsum("hd,hnd->hn", query[i].float(), gather(key_cache)) * scale
         probs = torch.softmax(scores, dim=-1)  # softmax subtracts the max: safe
-        out[i] = torch.einsum("hn,nhd->hd", probs, gather(value_cache)).to(out.dtype)
+        out[i] = torch.einsum("hn,hnd->hd", probs, gather(value_cache)).to(out.dtype)
 
 
 def ref_prefill_attention(
@@ -392,13 +402,10 @@ def ref_prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     """SDPA in float32 over the gathered context, with GQA copies and a causal mask offset by the cached prefix."""
-    q_len, num_kv_heads, head_size = query.shape[0], key_cache.shape[1], key_cache.shape[3]
-    group = query.shape[1] // num_kv_heads
-    blocks = block_table.long().to(key_cache.device)
+    q_len, group = query.shape[0], query.shape[1] // key_cache.shape[1]
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, context_len, head_size]
-        rows = cache[blocks].transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :context_len]
-        return rows.float().repeat_interleave(group, dim=0)
+        return gather_context(cache, block_table, context_len).float().repeat_interleave(group, dim=0)
 
     mask = torch.ones(q_len, context_len, dtype=torch.bool, device=query.device).tril(context_len - q_len)
     attn = torch.nn.functional.scaled_dot_product_attention(
