@@ -1,6 +1,7 @@
 // The one file that registers pagedserve's compiled ops with Python.
 // Each op dispatches on where its tensors live: CUDA tensors go to the CUDA
 // kernels (only in a build with PAGEDSERVE_CUDA), everything else to the CPU.
+#include <omp.h>
 #include <torch/extension.h>
 
 #include "ops.h"
@@ -129,6 +130,22 @@ void prefill_attention(torch::Tensor& out,                 // [q_len, num_heads,
   pagedserve::cpu::prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale);
 }
 
+void argmax_logsumexp(const torch::Tensor& logits,  // [rows, vocab]
+                      torch::Tensor& argmax,         // [rows] int64
+                      torch::Tensor& logsumexp) {    // [rows] float32
+  cpu_only({&logits, &argmax, &logsumexp}, "argmax_logsumexp");
+  pagedserve::cpu::argmax_logsumexp(logits, argmax, logsumexp);
+}
+
+// OpenMP threads for the parallel regions the CALLING thread opens from now on (the compiled ops',
+// and oneDNN's GEMMs, which share this OpenMP runtime); other threads keep theirs. Returns the old value.
+int64_t set_thread_omp_threads(int64_t n) {
+  TORCH_CHECK(n >= 1, "set_thread_omp_threads: n must be >= 1");
+  const int64_t previous = omp_get_max_threads();
+  omp_set_num_threads(static_cast<int>(n));
+  return previous;
+}
+
 bool built_with_cuda() {
 #ifdef PAGEDSERVE_CUDA
   return true;
@@ -156,5 +173,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += input; input = rms_norm(residual), in place");
   m.def("silu_and_mul", &silu_and_mul, release_gil(), "silu(gate) * up of [gate | up] rows (writes out)");
   m.def("rotary_embedding", &rotary_embedding, release_gil(), "neox RoPE in place on [tokens, heads, head_size]");
+  m.def("argmax_logsumexp", &argmax_logsumexp, release_gil(),
+        "per row: index of the first largest logit and log(sum(exp(logits))) (writes argmax, logsumexp)");
+  m.def("set_thread_omp_threads", &set_thread_omp_threads,
+        "OpenMP threads of the calling thread's parallel regions; returns the previous count");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");
 }

@@ -90,6 +90,15 @@ void rotary_embedding(
     at::Tensor& x,                     // [num_tokens, num_heads, head_size], head vectors contiguous
     const at::Tensor& cos_sin_cache);  // [max_position, head_size] float32: cos halves | sin halves
 
+// ---- sampling (CPU only).
+
+// Per row: the first index of the largest logit (torch.argmax) and
+// log(sum(exp(logits))) (torch.logsumexp), in one read of the row.
+void argmax_logsumexp(
+    const at::Tensor& logits,  // [rows, vocab] float32 or bfloat16, rows contiguous
+    at::Tensor& argmax,        // [rows] int64
+    at::Tensor& logsumexp);    // [rows] float32
+
 }  // namespace cpu
 
 #ifdef PAGEDSERVE_CUDA

@@ -9,14 +9,23 @@ Use (the engine, each step, after cache_engine.apply(out)):
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Optional
 
 import torch
 
+from engine import ops
 from engine.attention import AttentionMetadata, KVCache, PrefillSpan, make_prefill_bias
 from engine.config import EngineConfig
 from engine.cpu_linear import pack_linears
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+# A CPU decode batch is split across the cores when each shard gets at least this many sequences:
+# each core runs the whole model on its shard, one OpenMP thread each (see ModelRunner._split_decode).
+SPLIT_MIN_ROWS = 8
+_SPLIT_ENV = "PAGEDSERVE_SPLIT_DECODE"  # 0: one forward per step, as on CUDA (A/B comparisons)
 
 
 class _Row(NamedTuple):
@@ -44,6 +53,10 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             pack_linears(model)  # oneDNN GEMMs on weights packed once (engine/cpu_linear.py)
+        self._threads = torch.get_num_threads()
+        self._split = (self.device.type == "cpu" and self._threads > 1 and os.environ.get(_SPLIT_ENV, "1") != "0"
+                       and ops.backend() is ops.OpsBackend.COMPILED_CPU)
+        self._shard_pool: Optional[ThreadPoolExecutor] = None  # started on the first split step
 
     @torch.inference_mode()
     def execute(self, out, kv_caches: list[KVCache]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -51,10 +64,51 @@ class ModelRunner:
         inp = self.prepare(out)
         if inp is None:
             return torch.empty(0, 0, dtype=torch.float32, device=self.device), {}
+        shards = self._num_shards(inp)
+        if shards > 1:
+            return self._split_decode(inp, kv_caches, shards), {}
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.meta)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_rows, vocab]
         prompt_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in inp.prompt_rows.items()}
         return logits, prompt_logits
+
+    # ---- CPU decode split across cores ------------------------------------------------------------------
+    # A decode step at batch 32 runs ~120 small GEMMs; with the OpenMP team on every one, the helper thread is
+    # woken (OMP_WAIT_POLICY=PASSIVE: tens of microseconds on a VM) and joined at a barrier ~150 times a step.
+    # Instead each core forwards its own shard of the sequences with one thread: no wake-ups, no barriers, one
+    # hand-off per step. Each core reads every weight, which costs little at these batch sizes (SPLIT_MIN_ROWS).
+    # The tokens are the same as one forward's up to GEMM summation order (as any change of batch size).
+
+    def _num_shards(self, inp: ModelInput) -> int:
+        meta = inp.meta
+        if not self._split or meta.num_prefill_tokens or inp.prompt_rows:
+            return 1
+        return min(self._threads, meta.num_decode_tokens // SPLIT_MIN_ROWS)
+
+    def _split_decode(self, inp: ModelInput, kv_caches: list[KVCache], shards: int) -> torch.Tensor:
+        n = inp.meta.num_decode_tokens
+        bounds = [n * i // shards for i in range(shards + 1)]
+        threads = [self._threads // shards + (1 if i < self._threads % shards else 0) for i in range(shards)]
+        if self._shard_pool is None or self._shard_pool._max_workers < shards - 1:
+            # Created from the step thread: the workers inherit its scheduling priority.
+            self._shard_pool = ThreadPoolExecutor(max_workers=self._threads - 1, thread_name_prefix="decode-shard")
+        futures = [
+            self._shard_pool.submit(self._forward_shard, inp, bounds[i], bounds[i + 1], kv_caches, threads[i])
+            for i in range(1, shards)
+        ]
+        first = self._forward_shard(inp, bounds[0], bounds[1], kv_caches, threads[0])
+        return torch.cat([first] + [f.result() for f in futures])  # [num_rows, vocab], rows in order
+
+    @torch.inference_mode()  # thread-local: the pool's threads need their own
+    def _forward_shard(self, inp: ModelInput, a: int, b: int, kv_caches: list[KVCache], threads: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=inp.meta.slot_mapping[a:b],
+            decode_block_tables=inp.meta.decode_block_tables[a:b],
+            decode_context_lens=inp.meta.decode_context_lens[a:b],
+        )
+        with ops.thread_omp_threads(threads):
+            hidden = self.model(inp.input_ids[a:b], inp.positions[a:b], kv_caches, meta)
+            return self.model.compute_logits(hidden)  # decode rows: logits_indices is arange(num_rows)
 
     def prepare(self, out) -> Optional[ModelInput]:
         """Flatten the scheduled sequences: multi-token (prefill) rows first, then one token per decode row."""

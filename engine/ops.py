@@ -11,6 +11,7 @@ block_id * block_size + offset and a negative slot is skipped.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import hashlib
 import logging
@@ -18,7 +19,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -26,7 +27,7 @@ logger = logging.getLogger("pagedserve.ops")
 
 _SOURCES_CPU = (
     "bindings.cpp", "cpu/attention.cpp", "cpu/prefill_attention.cpp", "cpu/cache.cpp", "cpu/layernorm.cpp",
-    "cpu/activation.cpp", "cpu/pos_encoding.cpp",
+    "cpu/activation.cpp", "cpu/pos_encoding.cpp", "cpu/sampling.cpp",
 )
 _SOURCES_CUDA = ("cuda/attention_kernels.cu", "cuda/cache_kernels.cu", "cuda/torch_bindings.cpp")
 
@@ -327,6 +328,34 @@ def rotary_embedding(
 _ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@contextlib.contextmanager
+def thread_omp_threads(n: int) -> Iterator[bool]:
+    """OpenMP threads of the parallel regions that THIS thread opens in the block (compiled ops and oneDNN GEMMs);
+    yields False, changing nothing, without the compiled module (torch.set_num_threads would change every thread)."""
+    module = _load()
+    if module is None:
+        yield False
+        return
+    previous = module.set_thread_omp_threads(n)
+    try:
+        yield True
+    finally:
+        module.set_thread_omp_threads(previous)
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of [rows, vocab] logits: (the first index of the largest, int64 [rows]; logsumexp, float32 [rows]).
+
+    Greedy decoding's token and the sampled token's logprob (logit - logsumexp) from one read of each row."""
+    module = _compiled_cpu_for(logits)
+    if module is None or logits.dtype not in _ELEMENTWISE_DTYPES or logits.dim() != 2 or logits.stride(-1) != 1:
+        return ref_argmax_logsumexp(logits)
+    argmax = torch.empty(logits.shape[0], dtype=torch.int64)
+    lse = torch.empty(logits.shape[0], dtype=torch.float32)
+    module.argmax_logsumexp(logits, argmax, lse)
+    return argmax, lse
+
+
 # ---------------------------------------------------------------- references (the test oracle)
 
 
@@ -353,6 +382,10 @@ def ref_rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache
     cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_size // 2]
     x1, x2 = x.chunk(2, dim=-1)
     x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+def ref_argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.argmax(dim=-1), logits.float().logsumexp(dim=-1)
 
 
 def gather_context(

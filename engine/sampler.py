@@ -5,6 +5,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from engine import ops
 from engine.sampling_params import SamplingParams
 from engine.sequence import Logprobs, Sequence, SequenceGroup
 
@@ -76,10 +77,15 @@ class Sampler:
         device = logits.device
         slot_rows_t = torch.tensor(slot_rows, dtype=torch.long, device=device)
         slot_tokens = torch.zeros(len(slot_rows), dtype=torch.long, device=device)
+        # Each raw row's argmax and logsumexp in one pass (ops.argmax_logsumexp): the greedy tokens
+        # when nothing adjusted the logits, and the sampled tokens' logprobs when no top-k is asked.
+        want_top = any(g.sampling_params.logprobs for g, _ in groups)
+        raw_stats = ops.argmax_logsumexp(raw_logits) if not want_top or (greedy_slots and logits is raw_logits) else None
         if greedy_slots:
             # One argmax per row, then picked per slot: no copy of the [num_slots, vocab] rows.
             idx = torch.tensor(greedy_slots, dtype=torch.long, device=device)
-            slot_tokens[idx] = logits.argmax(dim=-1)[slot_rows_t[idx]]
+            argmax = raw_stats[0] if raw_stats is not None and logits is raw_logits else logits.argmax(dim=-1)
+            slot_tokens[idx] = argmax[slot_rows_t[idx]]
         if random_slots:
             idx = torch.tensor(random_slots, dtype=torch.long, device=device)
             slot_tokens[idx] = self._sample_random(logits, groups, starts, slot_rows, random_slots)
@@ -91,7 +97,7 @@ class Sampler:
             slot_rows_t[first : first + count] = rows + starts[gi]
             slot_tokens[first : first + count] = tokens
 
-        return self._build_samples(raw_logits, groups, starts, slot_rows_t, slot_tokens)
+        return self._build_samples(raw_logits, raw_stats, groups, starts, slot_rows_t, slot_tokens)
 
     # ---- logit adjustments -------------------------------------------------
 
@@ -173,7 +179,7 @@ class Sampler:
 
     # ---- results -----------------------------------------------------------
 
-    def _build_samples(self, raw_logits, groups, starts, slot_rows_t, slot_tokens) -> list[list[Sample]]:
+    def _build_samples(self, raw_logits, raw_stats, groups, starts, slot_rows_t, slot_tokens) -> list[list[Sample]]:
         k = max((g.sampling_params.logprobs or 0) for g, _ in groups) if groups else 0
         if k > 0:
             raw_logprobs = torch.log_softmax(raw_logits, dim=-1)  # [num_rows, vocab]
@@ -181,7 +187,7 @@ class Sampler:
         else:
             # Only the sampled tokens' logprobs: logit - logsumexp(row), without writing a
             # [num_rows, vocab] log_softmax (a few ms per decode step on CPU).
-            chosen = raw_logits[slot_rows_t, slot_tokens] - torch.logsumexp(raw_logits, dim=-1)[slot_rows_t]
+            chosen = raw_logits[slot_rows_t, slot_tokens] - raw_stats[1].to(raw_logits.device)[slot_rows_t]
         parts = [slot_rows_t.double(), slot_tokens.double(), chosen.double()]
         if k > 0:
             top_vals, top_ids = raw_logprobs.topk(k, dim=-1)  # [num_rows, k]

@@ -11,7 +11,7 @@ from e2e_helpers import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, assert_all_blocks_fr
 torch.set_num_threads(1)
 
 # What every e2e engine gets unless a test asks otherwise: a roomy pool, so nothing is preempted, and
-# float32, the dtype of the HF references (dtype auto is bfloat16 on CPUs with AVX-512 BF16).
+# float32, the dtype of the HF references (and of dtype auto on CPU).
 ROOMY = dict(num_gpu_blocks_override=512, num_cpu_blocks_override=64, block_size=16, max_model_len=MAX_MODEL_LEN,
              dtype="float32")
 

@@ -1,0 +1,81 @@
+"""A CPU decode batch split across the cores (one shard per core, one OpenMP thread each) gives the tokens and
+logprobs of one forward over the whole batch, and leaves the step thread's OpenMP setting as it was."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from engine import LLM, ops
+from engine.model_runner import SPLIT_MIN_ROWS
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU, reason="needs the compiled CPU ops")
+
+NUM_PROMPTS = 2 * SPLIT_MIN_ROWS + 3  # two shards, of 9 and 10 sequences
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    previous = torch.get_num_threads()  # the e2e suite's conftest sets 1 for the whole session
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    topics = ["the sea", "a red fox", "prime numbers", "Paris in spring", "how bread rises", "the moon",
+              "a chess opening", "rain on a roof", "old maps", "the speed of light"]
+    texts = [f"Write one sentence about {topics[i % len(topics)]}, take {i}." for i in range(NUM_PROMPTS)]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_split_decode_matches_one_forward(default_model_dir):
+    with torch_threads(2):
+        llm = LLM(model=str(default_model_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=256,
+                  num_cpu_blocks_override=16, block_size=16, seed=0)
+        runner = llm.engine.model_runner
+        assert runner._split, "2 threads, compiled ops: decode batches are split"
+        split_calls = []
+        original = runner._split_decode
+
+        def counted(inp, kv_caches, shards):
+            split_calls.append((inp.meta.num_decode_tokens, shards))
+            return original(inp, kv_caches, shards)
+
+        runner._split_decode = counted
+        prompts = _prompts(llm.get_tokenizer())
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+        split = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert torch.get_num_threads() == 2, "the step thread's OpenMP threads are restored after a split step"
+        runner._split = False
+        whole = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+    assert split_calls and all(shards == 2 for _, shards in split_calls)
+    assert split_calls[0][0] == NUM_PROMPTS  # every sequence decoding at once
+    for a, b in zip(split, whole):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            for token, value in lp_a.items():
+                assert value == pytest.approx(lp_b[token], abs=1e-3)
+    stats = llm.engine.get_stats()
+    assert stats.num_running == 0 and stats.gpu_cache_usage == 0.0  # every block back in the pool
+
+
+def test_small_batches_and_prefills_are_not_split(default_model_dir):
+    with torch_threads(2):
+        llm = LLM(model=str(default_model_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+                  num_cpu_blocks_override=16, block_size=16, seed=0)
+        runner = llm.engine.model_runner
+        calls = []
+        original = runner._split_decode
+        runner._split_decode = lambda *a: calls.append(a) or original(*a)
+        prompts = _prompts(llm.get_tokenizer())[: 2 * SPLIT_MIN_ROWS - 1]
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=4),
+                     use_tqdm=False)
+    assert calls == []  # 15 sequences: one shard of 8 would be too small
