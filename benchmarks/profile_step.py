@@ -18,6 +18,7 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,23 +35,31 @@ STAGES = ("scheduler", "cache ops", "input prep", "forward", "sampling", "output
 
 
 class StageTimer:
-    """Wraps methods so that each call's wall time is added to its stage (no nesting between stages)."""
+    """Wraps methods so that each call's wall time is added to its stage.
+
+    Only calls on the thread that steps the engine count, and only the outermost one: a split decode step
+    (ModelRunner._split_decode) counts once as "forward", not again for the shards' model calls inside it
+    or on the shard threads."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self.enabled = False
+        self._thread = threading.get_ident()
+        self._active = False
 
     def wrap(self, obj, name: str, stage: str) -> None:
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
-            if not self.enabled:
+            if not self.enabled or self._active or threading.get_ident() != self._thread:
                 return fn(*args, **kwargs)
+            self._active = True
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.totals[stage] += time.perf_counter() - start
+                self._active = False
 
         setattr(obj, name, timed)
 
@@ -61,6 +70,7 @@ def instrument(engine, timer: StageTimer) -> None:
     timer.wrap(engine.scheduler, "free_finished_seq_groups", "scheduler")
     timer.wrap(engine.cache_engine, "apply", "cache ops")
     timer.wrap(engine.model_runner, "prepare", "input prep")
+    timer.wrap(engine.model_runner, "_split_decode", "forward")  # a decode batch split across the cores
     timer.wrap(engine.model_runner.model, "forward", "forward")
     timer.wrap(engine.model_runner.model, "compute_logits", "forward")
     timer.wrap(engine, "sampler", "sampling")
