@@ -25,6 +25,8 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 # A CPU decode batch is split across the cores when each shard gets at least this many sequences:
 # each core runs the whole model on its shard, one OpenMP thread each (see ModelRunner._split_decode).
 SPLIT_MIN_ROWS = 8
+# At most this many shards: each one reads every weight, and only 2 cores were there to measure the trade.
+SPLIT_MAX_SHARDS = 2
 _SPLIT_ENV = "PAGEDSERVE_SPLIT_DECODE"  # 0: one forward per step, as on CUDA (A/B comparisons)
 
 
@@ -83,15 +85,14 @@ class ModelRunner:
         meta = inp.meta
         if not self._split or meta.num_prefill_tokens or inp.prompt_rows:
             return 1
-        return min(self._threads, meta.num_decode_tokens // SPLIT_MIN_ROWS)
+        return min(self._threads, SPLIT_MAX_SHARDS, meta.num_decode_tokens // SPLIT_MIN_ROWS)
 
     def _split_decode(self, inp: ModelInput, kv_caches: list[KVCache], shards: int) -> torch.Tensor:
         n = inp.meta.num_decode_tokens
         bounds = [n * i // shards for i in range(shards + 1)]
         threads = [self._threads // shards + (1 if i < self._threads % shards else 0) for i in range(shards)]
-        if self._shard_pool is None or self._shard_pool._max_workers < shards - 1:
-            # Created from the step thread: the workers inherit its scheduling priority.
-            self._shard_pool = ThreadPoolExecutor(max_workers=self._threads - 1, thread_name_prefix="decode-shard")
+        if self._shard_pool is None:  # created from the step thread: the workers inherit its scheduling priority
+            self._shard_pool = ThreadPoolExecutor(max_workers=SPLIT_MAX_SHARDS - 1, thread_name_prefix="decode-shard")
         futures = [
             self._shard_pool.submit(self._forward_shard, inp, bounds[i], bounds[i + 1], kv_caches, threads[i])
             for i in range(1, shards)
