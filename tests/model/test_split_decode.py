@@ -2,28 +2,17 @@
 logprobs of one forward over the whole batch, and leaves the step thread's OpenMP setting as it was."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from engine import LLM, ops
 from engine.model_runner import SPLIT_MIN_ROWS
 from engine.sampling_params import SamplingParams
+from tests.kernels.conftest import torch_threads  # the e2e conftest sets 1 thread for the session
 
 pytestmark = pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU, reason="needs the compiled CPU ops")
 
 NUM_PROMPTS = 2 * SPLIT_MIN_ROWS + 3  # two shards, of 9 and 10 sequences
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    previous = torch.get_num_threads()  # the e2e suite's conftest sets 1 for the whole session
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _prompts(tokenizer) -> list[list[int]]:
