@@ -44,19 +44,27 @@ def packed_linear_available() -> bool:
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# oneDNN builds (and caches, LRU, 1024 by default) one primitive per input shape. A server sees every row
-# count from 1 to max_num_batched_tokens, so without rounding the cache churns and the process grows with
-# each new shape (an LLM.generate loop with recompute preemptions: +22 MiB per round of 24 requests, and
-# +2-3 MiB with the rounding). Row counts above ROW_BUCKET are padded up to a multiple of it: at most
-# ~max_num_batched_tokens / ROW_BUCKET shapes per layer, for at most ROW_BUCKET - 1 spare rows.
-ROW_BUCKET = 16
+# oneDNN builds (and caches, LRU) one primitive per input shape. A server sees every row count from 1 to
+# max_num_batched_tokens, so with exact shapes the cache churns and the process grows with each new one
+# (an LLM.generate loop with recompute preemptions: +18-22 MiB per round of 24 requests). Row counts above
+# EXACT_ROWS are padded up to one of 8 buckets per power of two (at most 12.5 % spare rows): about 70
+# shapes per layer from 1 to 2048 rows.
+EXACT_ROWS = 16
+
+
+def bucket_rows(rows: int) -> int:
+    """rows rounded up to a multiple of 2^(k-3) for rows in [2^k, 2^(k+1)); rows itself up to EXACT_ROWS."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
     if x.dim() != 2 or x.dtype != self.weight.dtype or x.device.type != "cpu":
         return nn.functional.linear(x, self.weight, self.bias)
     rows = x.shape[0]
-    pad = -rows % ROW_BUCKET if rows > ROW_BUCKET else 0
+    pad = bucket_rows(rows) - rows
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     out = torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [None], "")
