@@ -66,7 +66,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # x: [nu
     rows = x.shape[0]
     pad = bucket_rows(rows) - rows
     if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        x = nn.functional.pad(x, (0, 0, 0, pad))  # zero rows at the end
     out = torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [None], "")
     return out[:rows] if pad else out
 

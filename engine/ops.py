@@ -329,16 +329,16 @@ _ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @contextlib.contextmanager
-def thread_omp_threads(n: int) -> Iterator[bool]:
-    """OpenMP threads of the parallel regions that THIS thread opens in the block (compiled ops and oneDNN GEMMs);
-    yields False, changing nothing, without the compiled module (torch.set_num_threads would change every thread)."""
+def thread_omp_threads(n: int) -> Iterator[None]:
+    """OpenMP threads of the parallel regions that THIS thread opens in the block (compiled ops and oneDNN GEMMs).
+    Without the compiled module it changes nothing (torch.set_num_threads would change every thread)."""
     module = _load()
     if module is None:
-        yield False
+        yield
         return
     previous = module.set_thread_omp_threads(n)
     try:
-        yield True
+        yield
     finally:
         module.set_thread_omp_threads(previous)
 

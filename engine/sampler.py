@@ -78,9 +78,9 @@ class Sampler:
         slot_rows_t = torch.tensor(slot_rows, dtype=torch.long, device=device)
         slot_tokens = torch.zeros(len(slot_rows), dtype=torch.long, device=device)
         # Each raw row's argmax and logsumexp in one pass (ops.argmax_logsumexp): the greedy tokens
-        # when nothing adjusted the logits, and the sampled tokens' logprobs when no top-k is asked.
-        want_top = any(g.sampling_params.logprobs for g, _ in groups)
-        raw_stats = ops.argmax_logsumexp(raw_logits) if not want_top or (greedy_slots and logits is raw_logits) else None
+        # when nothing adjusted the logits, and the sampled tokens' logprobs when no top logprobs are asked.
+        k = max((g.sampling_params.logprobs or 0) for g, _ in groups) if groups else 0
+        raw_stats = ops.argmax_logsumexp(raw_logits) if k == 0 or (greedy_slots and logits is raw_logits) else None
         if greedy_slots:
             # One argmax per row, then picked per slot: no copy of the [num_slots, vocab] rows.
             idx = torch.tensor(greedy_slots, dtype=torch.long, device=device)
@@ -97,7 +97,7 @@ class Sampler:
             slot_rows_t[first : first + count] = rows + starts[gi]
             slot_tokens[first : first + count] = tokens
 
-        return self._build_samples(raw_logits, raw_stats, groups, starts, slot_rows_t, slot_tokens)
+        return self._build_samples(raw_logits, raw_stats, k, groups, starts, slot_rows_t, slot_tokens)
 
     # ---- logit adjustments -------------------------------------------------
 
@@ -179,15 +179,14 @@ class Sampler:
 
     # ---- results -----------------------------------------------------------
 
-    def _build_samples(self, raw_logits, raw_stats, groups, starts, slot_rows_t, slot_tokens) -> list[list[Sample]]:
-        k = max((g.sampling_params.logprobs or 0) for g, _ in groups) if groups else 0
+    def _build_samples(self, raw_logits, raw_stats, k, groups, starts, slot_rows_t, slot_tokens) -> list[list[Sample]]:
         if k > 0:
             raw_logprobs = torch.log_softmax(raw_logits, dim=-1)  # [num_rows, vocab]
             chosen = raw_logprobs[slot_rows_t, slot_tokens]
         else:
             # Only the sampled tokens' logprobs: logit - logsumexp(row), without writing a
             # [num_rows, vocab] log_softmax (a few ms per decode step on CPU).
-            chosen = raw_logits[slot_rows_t, slot_tokens] - raw_stats[1].to(raw_logits.device)[slot_rows_t]
+            chosen = raw_logits[slot_rows_t, slot_tokens] - raw_stats[1][slot_rows_t]
         parts = [slot_rows_t.double(), slot_tokens.double(), chosen.double()]
         if k > 0:
             top_vals, top_ids = raw_logprobs.topk(k, dim=-1)  # [num_rows, k]
