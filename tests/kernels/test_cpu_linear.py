@@ -1,13 +1,25 @@
-"""Prepacked oneDNN linears (engine/cpu_linear.py) equal F.linear for every row count, the padded ones included."""
+"""Prepacked oneDNN linears (engine/cpu_linear.py) equal F.linear for every row count, the padded ones included,
+and hold their weights once: the original is released unless another parameter shares it (a tied head)."""
 from __future__ import annotations
+
+import copy
+import os
+import weakref
 
 import pytest
 import torch
 from torch import nn
 
+from engine.attention import AttentionMetadata, PrefillSpan
 from engine.cpu_linear import EXACT_ROWS, bucket_rows, pack_linears, packed_linear_available
+from engine.models.llama import LlamaForCausalLM
+from tiny_models import tiny_llama_config
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch has no oneDNN packed linear")
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -15,16 +27,16 @@ pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torc
 def test_packed_linear_matches_f_linear(dtype, bias):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 200, bias=bias, dtype=dtype))
-    assert pack_linears(model) == 1
     layer = model[0]
+    weight, bias_ = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    assert pack_linears(model) == 1
     # Exact row counts, ones on a bucket and ones between buckets (padded).
     for rows in (1, 7, EXACT_ROWS, EXACT_ROWS + 1, 33, 100, 256, 257, 300):
         x = torch.randn(rows, 96, dtype=dtype)
         out = layer(x)
         assert out.shape == (rows, 200) and out.is_contiguous() and out.dtype == dtype
-        expected = nn.functional.linear(x, layer.weight, layer.bias)
-        tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(out, expected, **tol)
+        expected = nn.functional.linear(x, weight, bias_)
+        torch.testing.assert_close(out, expected, **_tolerance(dtype))
 
 
 def test_padding_rows_do_not_leak_into_the_output():
@@ -45,3 +57,103 @@ def test_row_buckets_are_few_and_tight():
         b = bucket_rows(rows)
         assert rows <= b <= rows * 1.125 and bucket_rows(b) == b
     assert [bucket_rows(r) for r in (16, 17, 32, 33, 1500, 2048)] == [16, 18, 32, 36, 1536, 2048]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _tiny_llama(dtype: torch.dtype, tied: bool) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=512, tie_word_embeddings=tied), dtype=dtype)
+    model.init_dummy_weights(seed=0)
+    return model.eval()
+
+
+def _logits(model: LlamaForCausalLM, lens: list[int]) -> torch.Tensor:  # [num_tokens, vocab] float32
+    """A cache-less prefill of random prompts of these lengths, one flattened batch."""
+    gen = torch.Generator().manual_seed(0)
+    spans, offset = [], 0
+    for n in lens:
+        spans.append(PrefillSpan(offset, offset + n, n))
+        offset += n
+    meta = AttentionMetadata(slot_mapping=torch.full((offset,), -1, dtype=torch.int64), prefills=spans,
+                             num_prefill_tokens=offset)
+    input_ids = torch.randint(0, model.args.vocab_size, (offset,), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        return model.compute_logits(model(input_ids, positions, None, meta))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_llama_matches_unpacked(dtype, tied):
+    ref = _tiny_llama(dtype, tied)
+    model = copy.deepcopy(ref)
+    assert pack_linears(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+    lens = [5, 17, 1, 40]
+    torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(dtype))
+    assert pack_linears(model) == (1 if tied else 0)  # a second call repacks only the weights still held
+    torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_takes_any_leading_dims(dtype):
+    torch.manual_seed(2)
+    layer = nn.Linear(48, 40, bias=True, dtype=dtype)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    pack_linears(nn.Sequential(layer))
+    for shape in ((3, 7, 48), (2, 3, 20, 48), (48,), (0, 48)):
+        x = torch.randn(shape, dtype=dtype)
+        out = layer(x)
+        assert out.shape == (*shape[:-1], 40) and out.dtype == dtype
+        torch.testing.assert_close(out, nn.functional.linear(x, weight, bias), **_tolerance(dtype))
+
+
+def test_packed_linear_refuses_inputs_it_cannot_serve():
+    layer = nn.Linear(16, 8)
+    pack_linears(nn.Sequential(layer))
+    for x in (torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 15)):
+        with pytest.raises(RuntimeError, match="packed by pack_linears serves CPU .* only"):
+            layer(x)
+
+
+def test_untied_weights_are_released():
+    model = _tiny_llama(torch.float32, tied=False)
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    originals = [weakref.ref(m.weight) for m in linears]
+    shapes = [(m.out_features, m.in_features) for m in linears]
+    pack_linears(model)
+    assert all(ref() is None for ref in originals)  # nothing kept the old Parameters (and so their storage) alive
+    for m, shape in zip(linears, shapes):
+        assert m.weight.numel() == 0 and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+        assert (m.out_features, m.in_features) == shape and tuple(m._packed_weight.shape) == shape
+    state = model.state_dict()
+    assert state["lm_head.weight"].numel() == 0 and state["embed_tokens.weight"].shape == (512, 64)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS is read from /proc")
+def test_packing_does_not_keep_a_second_copy():
+    # 4 layers of 1024-wide linears: 4 * (3 + 1 + 8 + 4) * 1024 * 1024 * 4 bytes = 256 MiB of weights.
+    config = tiny_llama_config(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
+                               num_attention_heads=8, num_key_value_heads=8)
+    model = LlamaForCausalLM(config)
+    model.init_dummy_weights(seed=0)
+    weight_mib = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is nn.Linear) / 2**20
+    before = _rss_mib()
+    pack_linears(model)
+    grown = _rss_mib() - before
+    assert grown < 0.25 * weight_mib, f"RSS grew {grown:.0f} MiB packing {weight_mib:.0f} MiB of weights"
+
+
+def test_tied_head_keeps_the_embedding():
+    model = _tiny_llama(torch.float32, tied=True)
+    embedding = model.embed_tokens.weight.detach().clone()
+    pack_linears(model)
+    assert model.lm_head.weight is model.embed_tokens.weight and torch.equal(model.embed_tokens.weight, embedding)
+    ids = torch.tensor([0, 7, 511, 7])
+    torch.testing.assert_close(model.embed_tokens(ids), embedding[ids], atol=0, rtol=0)
+    # The head multiplies with the same matrix the embedding reads.
+    hidden = torch.randn(3, 64)
+    torch.testing.assert_close(model.lm_head(hidden), hidden @ embedding.T, atol=1e-4, rtol=1e-4)
+    assert model.layers[0].mlp.down_proj.weight.numel() == 0  # the untied ones in the same model are released
