@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run_cpu.sh            # everything: served sweeps, HF baselines, offline, decode-step profile
 #   OUT=/tmp/results bash benchmarks/run_cpu.sh
-#   PARTS="hf offline" bash benchmarks/run_cpu.sh   # some of: served hf plot offline profile
+#   PARTS="hf offline" bash benchmarks/run_cpu.sh   # some of: served hf plot offline profile chunked
 #
 # Every server is started here on a free port and stopped before the next one, so runs never overlap.
 # JSON goes to $OUT (default benchmarks/results/), the plot to $OUT/serving.png.
@@ -18,9 +18,10 @@ export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
 
 port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
-# serve LABEL JSON SWEEP CMD...: start CMD (a server on $PORT), wait for /health, sweep it, stop it.
+# serve LABEL JSON LOAD CMD...: start CMD (a server on $PORT), wait for /health, run serving.py with the
+# LOAD options on it, stop it.
 serve() {
-    local label=$1 json=$2 sweep=$3; shift 3
+    local label=$1 json=$2 load=$3; shift 3
     "$@" > "$OUT/$json.log" 2>&1 &
     local pid=$!
     for _ in $(seq 1 300); do
@@ -28,22 +29,24 @@ serve() {
         kill -0 "$pid" 2> /dev/null || { tail -20 "$OUT/$json.log"; exit 1; }
         sleep 1
     done
-    "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --label "$label" --sweep "$sweep" \
-        --rounds 2 --num-prompts-min 4 --strict --output-json "$OUT/$json.json"
+    # shellcheck disable=SC2086  # LOAD is a list of options
+    "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --label "$label" $load --strict \
+        --output-json "$OUT/$json.json"
     kill -INT "$pid"; wait "$pid" || true
 }
+sweep() { echo "--sweep $1 --rounds 2 --num-prompts-min 4"; }
 
 part() { [[ $PARTS == *" $1 "* ]]; }
 
 if part served; then
     for dtype in float32 bfloat16; do
-        PORT=$(port); serve "pagedserve ($dtype)" "ours_$dtype" "$SWEEP" \
+        PORT=$(port); serve "pagedserve ($dtype)" "ours_$dtype" "$(sweep "$SWEEP")" \
             "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype "$dtype"
     done
 fi
 if part hf; then  # what a user would write without pagedserve: HF generate behind the same API
     for dtype in float32 bfloat16; do
-        PORT=$(port); serve "HF generate, one at a time ($dtype)" "hf_$dtype" 1,4 \
+        PORT=$(port); serve "HF generate, one at a time ($dtype)" "hf_$dtype" "$(sweep 1,4)" \
             "$PY" benchmarks/hf_server.py --port "$PORT" --dtype "$dtype"
     done
 fi
@@ -58,6 +61,17 @@ if part offline; then
         --hf-dtypes float32,bfloat16 --hf-sequential-prompts 1 --quiet --output-json "$OUT/throughput_float32.json"
     "$PY" benchmarks/throughput.py --num-prompts 128 --dtype bfloat16 --skip-hf --quiet \
         --output-json "$OUT/throughput_bfloat16.json"
+fi
+
+# Chunked prefill against the default scheduler under Poisson arrivals of mixed lengths, two rounds, alternating.
+if part chunked; then
+    POISSON="--num-prompts 96 --request-rate 3 --input-len-range 0.5 --output-len-range 0.5"
+    for round in 1 2; do
+        PORT=$(port); serve "default" "poisson_default_$round" "$POISSON" \
+            "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype bfloat16
+        PORT=$(port); serve "chunked prefill" "poisson_chunked_$round" "$POISSON" \
+            "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype bfloat16 --enable-chunked-prefill
+    done
 fi
 
 # Where a decode step and a prefill go.

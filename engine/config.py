@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# max_num_batched_tokens with chunked prefill, as vLLM's: the longest step a decode waits for is one this long.
+CHUNKED_PREFILL_TOKENS = 512
 
 
 class PreemptionMode(enum.Enum):
@@ -39,6 +41,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     enable_prefix_caching: bool = False
+    # Steps mix decodes with prompt chunks under max_num_batched_tokens (default then 512), so a long prompt
+    # no longer stalls every running stream for a whole prefill.
+    enable_chunked_prefill: bool = False
     preemption_mode: Optional[PreemptionMode] = None  # None: recompute for one seq, swap for several
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     watermark: float = 0.01
@@ -86,12 +91,15 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 2048)
-        if self.max_num_batched_tokens < self.max_model_len:
+            if self.enable_chunked_prefill:
+                self.max_num_batched_tokens = max(CHUNKED_PREFILL_TOKENS, self.max_num_seqs)
+            else:
+                self.max_num_batched_tokens = max(self.max_model_len, 2048)
+        if self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.max_model_len}): a full-length prompt could never be scheduled. "
-                "Raise --max-num-batched-tokens or lower --max-model-len."
+                "Raise --max-num-batched-tokens, lower --max-model-len, or --enable-chunked-prefill."
             )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(

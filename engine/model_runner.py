@@ -34,7 +34,8 @@ class _Row(NamedTuple):
     seq: Sequence
     group: SequenceGroup
     start: int  # first token computed this step (== seq.num_computed_tokens)
-    end: int  # seq.get_len()
+    end: int  # seq.get_len(), or where this step's chunk of a prompt ends (chunked prefill)
+    samples: bool  # False: a prompt chunk short of the prompt's end, no logits row
 
 
 class ModelInput(NamedTuple):
@@ -43,7 +44,7 @@ class ModelInput(NamedTuple):
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_rows] int64: each row's last token, in the scheduler's row order
+    logits_indices: torch.Tensor  # [num_rows] int64: each sampled row's last token, in the scheduler's row order
     prompt_rows: dict[str, tuple[int, int]]  # request_id -> token range [a, b) whose logits are prompt logits
 
 
@@ -62,7 +63,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out, kv_caches: list[KVCache]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Forward the tokens [num_computed_tokens, get_len()) of every RUNNING sequence of out.scheduled."""
+        """Forward the tokens [num_computed_tokens, get_len()) of every RUNNING sequence of out.scheduled.
+
+        A prompt chunk (ScheduledGroup.samples False) computes only its num_tokens and gets no logits row."""
         inp = self.prepare(out)
         if inp is None:
             return torch.empty(0, 0, dtype=torch.float32, device=self.device), {}
@@ -114,7 +117,8 @@ class ModelRunner:
     def prepare(self, out) -> Optional[ModelInput]:
         """Flatten the scheduled sequences: multi-token (prefill) rows first, then one token per decode row."""
         rows = [
-            _Row(seq, sg.group, seq.num_computed_tokens, seq.get_len())
+            _Row(seq, sg.group, seq.num_computed_tokens, seq.get_len(), True) if sg.samples else
+            _Row(seq, sg.group, seq.num_computed_tokens, seq.num_computed_tokens + sg.num_tokens, False)
             for sg in out.scheduled
             for seq in sg.group.seqs
             if seq.status is SequenceStatus.RUNNING
@@ -123,8 +127,9 @@ class ModelRunner:
             return None
         bs = self.block_size
         tables = out.block_tables
-        prefill_idx = [i for i, r in enumerate(rows) if r.end - r.start > 1]
-        decode_idx = [i for i, r in enumerate(rows) if r.end - r.start <= 1]
+        # Decode rows compute a sequence's one last token; everything else is a span (a chunk may be one token).
+        prefill_idx = [i for i, r in enumerate(rows) if r.end - r.start > 1 or not r.samples]
+        decode_idx = [i for i, r in enumerate(rows) if r.end - r.start <= 1 and r.samples]
 
         tokens: list[int] = []
         positions: list[int] = []
@@ -133,7 +138,7 @@ class ModelRunner:
         last_token = [0] * len(rows)
         prompt_rows: dict[str, tuple[int, int]] = {}
         for i in prefill_idx:
-            seq, group, start, end = rows[i]
+            seq, group, start, end, _ = rows[i]
             table = tables[seq.seq_id]
             offset = len(tokens)
             tokens += seq.all_token_ids[start:end]
@@ -152,7 +157,7 @@ class ModelRunner:
 
         decode_tables, decode_lens = [], []
         for i in decode_idx:
-            seq, group, start, end = rows[i]
+            seq, group, start, end, _ = rows[i]
             table = tables[seq.seq_id]
             p = end - 1
             last_token[i] = len(tokens)
@@ -178,7 +183,7 @@ class ModelRunner:
             input_ids=self._tensor(tokens, torch.int64),
             positions=self._tensor(positions, torch.int64),
             meta=meta,
-            logits_indices=self._tensor(last_token, torch.int64),
+            logits_indices=self._tensor([last_token[i] for i, r in enumerate(rows) if r.samples], torch.int64),
             prompt_rows=prompt_rows,
         )
 

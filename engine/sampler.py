@@ -341,22 +341,28 @@ def _beam_candidates(
 
 
 def prompt_logprobs(
-    logits: torch.Tensor,  # [num_prompt_tokens, vocab]
+    logits: torch.Tensor,  # [num_positions, vocab]: the logits of prompt positions start, start + 1, ...
     prompt_token_ids: list[int],
     k: int,
+    start: int = 0,
 ) -> list[Optional[Logprobs]]:
-    """Logprob of each prompt token given the ones before it, plus the top-k; entry 0 is None."""
+    """Logprob of each prompt token given the ones before it, plus the top-k.
+
+    From the whole prompt (start 0): one entry per token, entry 0 None. From a later chunk of it: the entries of
+    tokens start + 1 .. start + len(logits), as far as prompt_token_ids goes.
+    """
     n = len(prompt_token_ids)
-    if n <= 1:
-        return [None] * n
-    logprobs = torch.log_softmax(logits[: n - 1].float(), dim=-1)  # row i predicts token i + 1
-    targets = torch.tensor(prompt_token_ids[1:], dtype=torch.long, device=logits.device)
+    out: list[Optional[Logprobs]] = [None] if start == 0 else []
+    rows = min(logits.shape[0], n - 1 - start)  # row i predicts token start + i + 1
+    if rows <= 0:
+        return out if n else []
+    logprobs = torch.log_softmax(logits[:rows].float(), dim=-1)
+    targets = torch.tensor(prompt_token_ids[start + 1 : start + 1 + rows], dtype=torch.long, device=logits.device)
     chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
     top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long()))
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out: list[Optional[Logprobs]] = [None]
-    for i in range(n - 1):
-        entry = {prompt_token_ids[i + 1]: chosen[i]}
+    for i in range(rows):
+        entry = {prompt_token_ids[start + i + 1]: chosen[i]}
         for tid, val in zip(top_ids[i], top_vals[i]):
             entry.setdefault(tid, val)
         out.append(entry)

@@ -12,11 +12,16 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class ScheduledGroup(NamedTuple):
-    """A group that runs this step; the model computes tokens [num_computed_tokens, get_len()) of its RUNNING seqs."""
+    """A group that runs this step; the model computes tokens [num_computed_tokens, get_len()) of its RUNNING seqs.
+
+    With chunked prefill a one-sequence group may compute only the next `num_tokens` of its prompt: `samples`
+    is then False, and nothing is sampled for it until the chunk that reaches the prompt's end.
+    """
 
     group: SequenceGroup
     is_prefill: bool
     num_tokens: int
+    samples: bool = True
 
 
 @dataclass
@@ -41,7 +46,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Decides each step which groups prefill, which decode, and which are preempted by recompute or swap."""
+    """Decides each step which groups prefill, which decode, and which are preempted by recompute or swap.
+
+    Default (vLLM's v0 rules, ARCHITECTURE.md): a step either prefills whole prompts or decodes every running
+    group. With `enable_chunked_prefill` a step mixes both under one token budget: every running decode first,
+    then the next chunk of prompts already started, then swapped groups, then new prompts, the last one cut to
+    what is left of the budget (a long prompt takes several steps, and the decodes go on meanwhile).
+    """
 
     def __init__(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         if config.max_model_len is None or config.max_num_batched_tokens is None:
@@ -49,6 +60,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+        self.chunked_prefill = config.enable_chunked_prefill
         self.preemption_mode = config.preemption_mode
         self.policy = config.scheduling_policy
         self.block_manager = BlockSpaceManager(
@@ -91,28 +103,56 @@ class Scheduler:
         if self.policy is SchedulingPolicy.PRIORITY:
             for name in ("waiting", "running", "swapped"):
                 setattr(self, name, deque(sorted(getattr(self, name), key=_priority_key)))
-        # Swapped groups arrived before anything still waiting: no new prefills until they are back.
-        if not self.swapped:
-            self._schedule_prefills(out)
-        if not out.scheduled:
-            preempted = self._schedule_decodes(out)
-            if not preempted:
-                self._schedule_swapped(out)
+        if self.chunked_prefill:
+            self._schedule_mixed(out)
+        else:
+            # Swapped groups arrived before anything still waiting: no new prefills until they are back.
+            if not self.swapped:
+                self._schedule_prefills(out, self.max_num_batched_tokens)
+            if not out.scheduled:
+                preempted = self._schedule_decodes(out)
+                if not preempted:
+                    self._schedule_swapped(out, self.max_num_batched_tokens)
         now = time.monotonic()
-        for group, _, num_tokens in out.scheduled:
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = now
-            out.num_batched_tokens += num_tokens
+        for sg in out.scheduled:
+            if sg.group.metrics.first_scheduled_time is None:
+                sg.group.metrics.first_scheduled_time = now
+            out.num_batched_tokens += sg.num_tokens
         return out
 
-    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+    def _schedule_mixed(self, out: SchedulerOutput) -> None:
+        """Chunked prefill: decodes, then started prompts' next chunks, then swapped groups, then new prompts."""
+        if self.policy is SchedulingPolicy.PRIORITY and self.waiting and not self.swapped:
+            self._preempt_for_priority(out)  # before anything of running is scheduled
+        preempted = self._schedule_decodes(out)
+        budget = self.max_num_batched_tokens - sum(sg.num_tokens for sg in out.scheduled)
+        for group in self.running:
+            if budget <= 0:
+                break
+            seq = _mid_prefill_seq(group)
+            if seq is not None:
+                budget -= self._schedule_chunk(group, seq, budget, out)
+        if preempted:  # no blocks to spare this step: nothing comes back or starts
+            return
+        budget = self._schedule_swapped(out, budget)
+        if not self.swapped:
+            self._schedule_prefills(out, budget)
+
+    def _schedule_chunk(self, group: SequenceGroup, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """The next chunk of a one-sequence group's prompt (its blocks were all allocated at admission); its size."""
+        num_tokens = _chunk_size(seq.num_uncomputed_tokens(), budget)
+        if num_tokens > 0:
+            out.scheduled.append(ScheduledGroup(group, True, num_tokens, num_tokens == seq.num_uncomputed_tokens()))
+            out.block_tables[seq.seq_id] = self.block_manager.block_tables[seq.seq_id]
+        return num_tokens
+
+    def _schedule_prefills(self, out: SchedulerOutput, token_budget: int) -> None:
         if not self.waiting:
             return
-        if self.policy is SchedulingPolicy.PRIORITY:
+        if self.policy is SchedulingPolicy.PRIORITY and not self.chunked_prefill:  # (chunked: done before the decodes)
             self._preempt_for_priority(out)
-        token_budget = self.max_num_batched_tokens
         num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
-        while self.waiting:
+        while self.waiting and token_budget > 0:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
             status = self.block_manager.can_allocate(group)
@@ -122,7 +162,14 @@ class Scheduler:
                 continue
             num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # before prefix-cache hits
             group_seqs = group.get_max_num_running_seqs()
-            if status is AllocStatus.LATER or num_tokens > token_budget or num_seqs + group_seqs > self.max_num_seqs:
+            # A one-sequence prompt may start with a chunk of what the budget has left (chunked prefill).
+            chunkable = self.chunked_prefill and len(seqs) == 1
+            if chunkable:
+                too_long = _chunk_size(num_tokens, token_budget) == 0
+            else:  # with chunked prefill, a recomputed group of several sequences may overrun the budget, alone
+                too_long = num_tokens > token_budget and not (
+                    self.chunked_prefill and not any(sg.is_prefill for sg in out.scheduled))
+            if status is AllocStatus.LATER or too_long or num_seqs + group_seqs > self.max_num_seqs:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(group)
@@ -130,21 +177,24 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
             num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # after prefix-cache hits
-            out.scheduled.append(ScheduledGroup(group, True, num_tokens))
-            for seq in seqs:
-                out.block_tables[seq.seq_id] = self.block_manager.block_tables[seq.seq_id]
+            if chunkable:  # (rarely 0 after the hits: it then starts next step)
+                num_tokens = self._schedule_chunk(group, seqs[0], token_budget, out)
+            else:
+                out.scheduled.append(ScheduledGroup(group, True, num_tokens))
+                for seq in seqs:
+                    out.block_tables[seq.seq_id] = self.block_manager.block_tables[seq.seq_id]
             token_budget -= num_tokens
             num_seqs += group_seqs
 
     def _never_admissible(self, group: SequenceGroup, seqs: list[Sequence], status: AllocStatus) -> Optional[str]:
         """Why the group could not be scheduled even alone in an empty engine, for the client; None if it can."""
         longest = max(seq.get_len() for seq in seqs)
-        prompt_limit = min(self.max_model_len, self.max_num_batched_tokens)
+        prompt_limit = self.max_model_len if self.chunked_prefill else min(self.max_model_len, self.max_num_batched_tokens)
         if longest > prompt_limit:
             return f"Input prompt ({longest} tokens) is too long and exceeds the limit of {prompt_limit} tokens."
         num_tokens = sum(seq.get_len() for seq in seqs)
         num_seqs = group.get_max_num_running_seqs()
-        if num_tokens > self.max_num_batched_tokens or num_seqs > self.max_num_seqs:
+        if (num_tokens > self.max_num_batched_tokens and not self.chunked_prefill) or num_seqs > self.max_num_seqs:
             # Only a group recomputing several sequences, or asking for more than max_num_seqs, gets here.
             return (f"The request needs {num_tokens} tokens in {num_seqs} sequences in one step, more than "
                     f"--max-num-batched-tokens ({self.max_num_batched_tokens}) or --max-num-seqs "
@@ -171,6 +221,10 @@ class Scheduler:
             if not seqs and group.is_finished():
                 self._finish(group, SequenceStatus.FINISHED_ABORTED)  # frees what the engine left; statuses stay
                 continue
+            if self.chunked_prefill and len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1:  # mid-prompt
+                # Its next chunk comes from _schedule_mixed, after every decode.
+                self.running.append(group)
+                continue
             num_new_blocks = bm.num_append_blocks(seqs)
             while num_new_blocks and num_new_blocks > bm.get_num_free_gpu_blocks():
                 victim = queue.pop() if queue else group
@@ -184,9 +238,10 @@ class Scheduler:
                 self.running.append(group)
         return preempted
 
-    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, out: SchedulerOutput, token_budget: int) -> int:
+        """Swap groups back in while blocks, max_num_seqs and the token budget allow; returns the budget left."""
         if not self.swapped:
-            return
+            return token_budget
         bm = self.block_manager
         num_seqs = sum(group.get_max_num_running_seqs() for group in self.running)
         while self.swapped:
@@ -200,16 +255,24 @@ class Scheduler:
                              queue=self.swapped, status=SequenceStatus.FINISHED_ERROR)
                 continue
             group_seqs = group.get_max_num_running_seqs()
-            if status is AllocStatus.LATER or num_seqs + group_seqs > self.max_num_seqs:
+            seqs = group.get_seqs(SequenceStatus.SWAPPED)
+            # A prompt swapped out between its chunks (--preemption-mode swap) resumes with a chunk of its own.
+            mid_prefill = self.chunked_prefill and len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1
+            num_tokens = 1 if mid_prefill else sum(seq.num_uncomputed_tokens() for seq in seqs)
+            if status is AllocStatus.LATER or num_seqs + group_seqs > self.max_num_seqs or num_tokens > token_budget:
                 break
             self.swapped.popleft()
             bm.swap_in(group, out.blocks_to_swap_in)
-            seqs = group.get_seqs(SequenceStatus.SWAPPED)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-            self._append_slots(group, seqs, out)
+            if mid_prefill:
+                num_tokens = self._schedule_chunk(group, seqs[0], token_budget, out)
+            else:
+                self._append_slots(group, seqs, out)
             self.running.append(group)
             num_seqs += group_seqs
+            token_budget -= num_tokens
+        return token_budget
 
     def _append_slots(self, group: SequenceGroup, seqs: list[Sequence], out: SchedulerOutput,
                       grows: bool = True) -> None:
@@ -296,10 +359,15 @@ class Scheduler:
     def update_computed(self, out: SchedulerOutput) -> None:
         """Call right after the forward, before new tokens are appended: what ran now has K/V in the cache."""
         caching = self.block_manager.enable_prefix_caching
-        for group, _, _ in out.scheduled:
-            for seq in group.seqs:
-                if seq.status is SequenceStatus.RUNNING:
-                    seq.num_computed_tokens = seq.get_len()
+        for group, _, num_tokens, samples in out.scheduled:
+            if samples:
+                for seq in group.seqs:
+                    if seq.status is SequenceStatus.RUNNING:
+                        seq.num_computed_tokens = seq.get_len()
+            else:  # a prompt chunk of the group's one running sequence
+                for seq in group.seqs:
+                    if seq.status is SequenceStatus.RUNNING:
+                        seq.num_computed_tokens += num_tokens
             if caching:
                 self.block_manager.mark_blocks_as_computed(group)
 
@@ -311,6 +379,20 @@ class Scheduler:
 
     def free_finished_seq_groups(self) -> None:
         self.running = deque(group for group in self.running if not group.is_finished())
+
+
+def _chunk_size(num_uncomputed: int, budget: int) -> int:
+    """The whole rest of a prompt if it fits, else what the budget allows but never all but one token: a lone
+    last token would be scheduled as a decode, so it is computed together with the one before it. 0: wait."""
+    if num_uncomputed <= budget:
+        return num_uncomputed
+    return max(0, min(budget, num_uncomputed - 2))
+
+
+def _mid_prefill_seq(group: SequenceGroup) -> Optional[Sequence]:
+    """The group's one running sequence if more than its next token is still to compute (a chunked prompt)."""
+    seqs = [seq for seq in group.seqs if seq.status is SequenceStatus.RUNNING]
+    return seqs[0] if len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1 else None
 
 
 def _priority_key(group: SequenceGroup) -> tuple[int, float]:

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
     serve.add_argument("--enable-prefix-caching", action="store_true")
+    serve.add_argument("--enable-chunked-prefill", action="store_true",
+                       help="mix decodes and prompt chunks in each step (--max-num-batched-tokens default: 512)")
     serve.add_argument("--preemption-mode", default=None, choices=[m.value for m in PreemptionMode])
     serve.add_argument("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
     serve.add_argument("--max-logprobs", type=int, default=20)
@@ -70,7 +72,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_space=args.kv_cache_space, num_gpu_blocks_override=args.num_gpu_blocks_override,
         num_cpu_blocks_override=args.num_cpu_blocks_override,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+        enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
+        preemption_mode=args.preemption_mode,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
     )

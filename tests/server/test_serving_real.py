@@ -136,3 +136,41 @@ def test_metrics_count_a_request_exactly(client, real_server):
     assert after["e2e_request_latency_seconds_count"] - before["e2e_request_latency_seconds_count"] == 1
     text = httpx.get(real_server.base_url + "/metrics").text
     assert metric(text, "pagedserve:cache_config_info", 'block_size="16"') == 1.0
+
+
+LONG_PROMPT = ("Photosynthesis is the process by which green plants, algae and some bacteria convert light energy "
+               "into chemical energy. During this process, carbon dioxide and water are turned into glucose and "
+               "oxygen. In summary, photosynthesis produces")
+
+
+@pytest.fixture(scope="module")
+def chunked_client():
+    from conftest import _real_server
+
+    # A 16-token budget: the long prompt (41 tokens) takes three steps, decoding the other streams meanwhile.
+    engine, server = _real_server(max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    with server:
+        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chunked_prefill_server_streams_the_same_tokens(client, chunked_client):
+    import concurrent.futures
+
+    prompts = [LONG_PROMPT, PROMPT, "Once upon a time", LONG_PROMPT + " sugar and"]
+    kwargs = dict(model=MODEL, max_tokens=12, temperature=0)
+    expected = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+
+    def streamed(prompt: str) -> str:
+        stream = chunked_client.completions.create(prompt=prompt, stream=True, **kwargs)
+        return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # in flight together
+        served = list(pool.map(streamed, prompts))
+    assert served == expected
+    # Prompt logprobs (echo) come from three chunks of the long prompt and equal the unchunked ones.
+    echo = dict(model=MODEL, prompt=LONG_PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    ours, ref = chunked_client.completions.create(**echo), client.completions.create(**echo)
+    assert ours.usage.prompt_tokens == ref.usage.prompt_tokens > 32
+    assert ours.choices[0].logprobs.tokens == ref.choices[0].logprobs.tokens
+    assert ours.choices[0].logprobs.token_logprobs[1:] == pytest.approx(ref.choices[0].logprobs.token_logprobs[1:],
+                                                                        abs=1e-3)

@@ -42,11 +42,13 @@ class EngineCoreMachine(RuleBasedStateMachine):
 
     @initialize(num_gpu_blocks=st.integers(4, 14), num_cpu_blocks=st.integers(0, 16),
                 mode=st.sampled_from([None, "recompute", "swap"]), caching=st.booleans(),
-                policy=st.sampled_from(["fcfs", "priority"]), watermark=st.sampled_from([0.0, 0.1]))
-    def setup(self, num_gpu_blocks, num_cpu_blocks, mode, caching, policy, watermark):
-        config = EngineConfig(block_size=BS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64, max_num_seqs=6,
-                              watermark=watermark, preemption_mode=mode, enable_prefix_caching=caching,
-                              scheduling_policy=policy)
+                policy=st.sampled_from(["fcfs", "priority"]), watermark=st.sampled_from([0.0, 0.1]),
+                budget=st.sampled_from([None, 6, 16]))
+    def setup(self, num_gpu_blocks, num_cpu_blocks, mode, caching, policy, watermark, budget):
+        # budget: None, whole prompts in prefill-only steps; else chunked prefill with that token budget.
+        config = EngineConfig(block_size=BS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget or 64,
+                              max_num_seqs=6, watermark=watermark, preemption_mode=mode, enable_prefix_caching=caching,
+                              scheduling_policy=policy, enable_chunked_prefill=budget is not None)
         config.resolve(MAX_MODEL_LEN)
         self.sched = Scheduler(config, num_gpu_blocks, num_cpu_blocks)
         self.groups: list[SequenceGroup] = []
@@ -81,7 +83,14 @@ class EngineCoreMachine(RuleBasedStateMachine):
             seqs = scheduled.group.get_seqs(SequenceStatus.RUNNING)
             assert seqs and all(out.block_tables[s.seq_id] == self.sched.block_manager.block_tables[s.seq_id]
                                 for s in seqs)
-        assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
+        over = out.num_batched_tokens > self.sched.max_num_batched_tokens
+        # Only chunked prefill overruns, for a recomputed group of several sequences, the one prompt of its step.
+        prompts = [sg for sg in out.scheduled if sg.is_prefill]
+        assert not over or (self.sched.chunked_prefill and len(prompts) == 1 and len(prompts[0].group.seqs) > 1)
+        for sg in out.scheduled:
+            running = sg.group.get_seqs(SequenceStatus.RUNNING)
+            assert sg.samples or (sg.is_prefill and len(running) == 1 and
+                                  sg.num_tokens <= running[0].num_uncomputed_tokens() - 2)
         for group in out.ignored:
             assert group.is_finished() and group.error
         self.last_out = out
@@ -95,6 +104,8 @@ class EngineCoreMachine(RuleBasedStateMachine):
         sched.update_computed(out)
         for scheduled in out.scheduled:
             group = scheduled.group
+            if not scheduled.samples:  # a prompt chunk short of the prompt's end: no token yet
+                continue
             running = group.get_seqs(SequenceStatus.RUNNING)  # empty if aborted or preempted since schedule()
             params = group.sampling_params
             if len(group.seqs) == 1 and running and running[0].get_output_len() == 0:
@@ -123,7 +134,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
     def fork(self, data):
         """Beam search forks a running sequence that has computed K/V."""
         candidates = [s for g in self.sched.running for s in g.get_seqs(SequenceStatus.RUNNING)
-                      if len(g.seqs) < 5 and s.num_computed_tokens > 0]
+                      if len(g.seqs) < 5 and s.num_computed_tokens > 0 and s.num_uncomputed_tokens() <= 1]
         if not candidates:
             return
         parent = data.draw(st.sampled_from(candidates))

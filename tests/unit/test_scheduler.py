@@ -318,3 +318,108 @@ def test_watermark_blocks_admission_matches_the_startup_helper():
     assert sched.block_manager.get_num_free_gpu_blocks() == 2
     sched.abort_seq_group("fits")
     assert not sched.has_unfinished_seqs() and sched.block_manager.get_num_free_gpu_blocks() == 8
+
+
+# -- chunked prefill ---------------------------------------------------------------------------------------------
+
+def make_chunked(num_gpu_blocks: int = 32, budget: int = 16, **overrides) -> Scheduler:
+    return make_scheduler(num_gpu_blocks, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                          max_num_seqs=4, **overrides)
+
+
+def finish_chunked_step(sched: Scheduler, out: SchedulerOutput, token: int = 1) -> None:
+    """As finish_step, but a prompt chunk short of the prompt's end gets no token."""
+    sched.update_computed(out)
+    for scheduled in out.scheduled:
+        if scheduled.samples:
+            for seq in scheduled.group.get_seqs(SequenceStatus.RUNNING):
+                seq.append_token(token, {token: 0.0})
+
+
+def step_summary(out: SchedulerOutput) -> list[tuple[str, bool, int, bool]]:
+    return [(s.group.request_id, s.is_prefill, s.num_tokens, s.samples) for s in out.scheduled]
+
+
+def test_chunked_prefill_decodes_first_then_prompt_chunks():
+    sched = make_chunked(budget=16)
+    a, b = make_group("a", 6), make_group("b", 40)
+    sched.add_seq_group(a)
+    out = sched.schedule()
+    assert step_summary(out) == [("a", True, 6, True)]
+    finish_chunked_step(sched, out)
+    sched.add_seq_group(b)  # longer than the budget: admitted all the same, in chunks
+    steps = []
+    while b.seqs[0].num_uncomputed_tokens() > 1 or not steps:
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 16
+        steps.append(step_summary(out))
+        finish_chunked_step(sched, out)
+    # a decodes in every step; b takes what is left: 15, 15, then the last 10 (never all but one token).
+    assert steps == [[("a", False, 1, True), ("b", True, 15, False)],
+                     [("a", False, 1, True), ("b", True, 15, False)],
+                     [("a", False, 1, True), ("b", True, 10, True)]]
+    assert b.seqs[0].num_computed_tokens == 40 and b.seqs[0].get_output_len() == 1
+    assert step_summary(sched.schedule()) == [("a", False, 1, True), ("b", False, 1, True)]
+    # Every block of b was allocated when it was admitted.
+    assert len(sched.block_manager.block_tables[b.seqs[0].seq_id]) == 6
+
+
+def test_chunk_never_leaves_a_single_token():
+    sched = make_chunked(budget=16)
+    group = make_group("a", 17)
+    sched.add_seq_group(group)
+    out = sched.schedule()
+    assert step_summary(out) == [("a", True, 15, False)]  # 16 would leave the last token alone
+    finish_chunked_step(sched, out)
+    assert step_summary(sched.schedule()) == [("a", True, 2, True)]
+
+
+def test_chunked_prompt_limit_is_max_model_len():
+    sched = make_chunked(budget=16)
+    sched.add_seq_group(make_group("too-long", 65))
+    sched.add_seq_group(make_group("fits", 64))
+    out = sched.schedule()
+    assert step_summary(out) == [("fits", True, 16, False)]
+    assert ids(out.ignored) == ["too-long"] and "limit of 64 tokens" in out.ignored[0].error
+
+
+def test_prompt_preempted_between_chunks_starts_over():
+    sched = make_chunked(num_gpu_blocks=6, budget=8)
+    a, b = make_group("a", 6, arrival=1.0), make_group("b", 40, arrival=2.0)  # 1 block, 5 blocks
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    steps = []
+    for _ in range(3):
+        out = sched.schedule()
+        steps.append(step_summary(out))
+        finish_chunked_step(sched, out)
+    assert steps == [[("a", True, 6, True), ("b", True, 2, False)],
+                     [("a", False, 1, True), ("b", True, 7, False)],
+                     [("a", False, 1, True), ("b", True, 7, False)]]
+    out = sched.schedule()  # a's ninth token needs a second block: b, the latest arrival, gives back its five
+    assert out.num_preempted_recompute == 1 and ids(sched.waiting) == ["b"]
+    assert b.seqs[0].num_computed_tokens == 0 and b.seqs[0].status is SequenceStatus.WAITING
+    assert step_summary(out) == [("a", False, 1, True)]  # nothing new starts in a step that preempted
+    assert sched.block_manager.get_num_free_gpu_blocks() == 4
+
+
+def test_chunked_priority_preempts_before_any_decode_is_scheduled():
+    sched = make_chunked(num_gpu_blocks=4, budget=16, scheduling_policy="priority")
+    low = make_group("low", 16, arrival=1.0, priority=2)
+    sched.add_seq_group(low)
+    finish_chunked_step(sched, sched.schedule())
+    sched.add_seq_group(make_group("urgent", 30, arrival=2.0, priority=0))
+    out = sched.schedule()
+    assert out.num_preempted_recompute == 1 and ids(sched.waiting) == ["low"]
+    assert step_summary(out) == [("urgent", True, 16, False)]  # low is not decoded in the step it left
+
+
+def test_without_chunking_a_prompt_over_the_budget_is_refused():
+    sched = make_scheduler(num_gpu_blocks=32, max_model_len=64, max_num_batched_tokens=64)
+    sched.add_seq_group(make_group("a", 40))
+    assert step_summary(sched.schedule()) == [("a", True, 40, True)]
+    with pytest.raises(ValueError, match="enable-chunked-prefill"):
+        EngineConfig(max_model_len=64, max_num_batched_tokens=32).resolve(64)
+    config = EngineConfig(enable_chunked_prefill=True, max_num_seqs=8)
+    config.resolve(8192)
+    assert config.max_num_batched_tokens == 512
