@@ -144,6 +144,23 @@ def test_swap_out_and_in_move_free_counts_by_the_table_length():
     assert_ref_counts_match_tables(bm)
 
 
+def test_swap_churn_reuses_the_same_host_blocks():
+    # The pools are torch.empty: a block's pages count in the RSS once written. A free queue cycled through
+    # the whole pool, and the server's RSS grew until all of it was resident (docs/reliability.md).
+    bm = BlockSpaceManager(BS, 10, 100, watermark=0.0)
+    group = make_group("a", list(range(10)), 0)  # 3 blocks
+    bm.allocate(group)
+    run(group)
+    host_blocks, device_blocks = set(), set()
+    for _ in range(20):
+        host_blocks |= set(bm.swap_out(group).values())
+        group.seqs[0].status = SequenceStatus.SWAPPED
+        device_blocks |= set(bm.swap_in(group).values())
+        run(group)
+    assert host_blocks == {0, 1, 2} and device_blocks == {0, 1, 2}
+    assert_ref_counts_match_tables(bm)
+
+
 def test_swap_limits():
     bm = BlockSpaceManager(BS, 4, 2, watermark=0.0)
     group = make_group("a", list(range(12)), 0)  # 3 blocks
