@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import enum
 import logging
 import os
@@ -12,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
+from engine.memory import find_malloc_trim
 from engine.metrics import Metrics, StatLogger
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
@@ -75,7 +74,7 @@ class AsyncLLMEngine:
         self._dead: Optional[BaseException] = None
         self._accepting = True
         self._cut_handle: Optional[asyncio.TimerHandle] = None  # ends what is left at the shutdown deadline
-        self._malloc_trim = _find_malloc_trim()
+        self._malloc_trim = find_malloc_trim()
         self._last_trim = time.monotonic()
         self.num_cut_at_shutdown = 0
 
@@ -346,14 +345,6 @@ class AsyncLLMEngine:
     def __repr__(self) -> str:
         state = "dead" if self._dead else ("running" if self.is_running else "idle")
         return f"AsyncLLMEngine({self.config.model_name!r}, {state}, {len(self._streams)} in flight)"
-
-
-def _find_malloc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's malloc_trim, or None (musl, macOS)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
 
 
 def _lower_priority(nice: int) -> None:

@@ -24,8 +24,6 @@ Use (the model runner, once the weights are loaded):
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import types
@@ -33,6 +31,8 @@ from collections import Counter
 
 import torch
 from torch import nn
+
+from engine.memory import find_malloc_trim
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,6 @@ def _trim_heap() -> None:
     rises up to 32 MiB), and free() returns heap pages only from the top: without a trim SmolLM2's RSS stayed
     at two copies in bfloat16 and lost under half the second one in float32.
     """
-    try:  # as engine/async_engine.py finds it
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): its free() is that allocator's business
-        return
-    trim(0)
+    trim = find_malloc_trim()
+    if trim is not None:
+        trim(0)
