@@ -62,3 +62,12 @@ def tiny_batch_server():
     with server:
         server.engine = engine
         yield server
+
+
+@pytest.fixture(scope="module")
+def chunked_real_server():
+    """The real engine with chunked prefill and a 16-token budget: longer prompts take several steps."""
+    engine, server = _real_server(max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    with server:
+        server.engine = engine
+        yield server

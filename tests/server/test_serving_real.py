@@ -144,13 +144,10 @@ LONG_PROMPT = ("Photosynthesis is the process by which green plants, algae and s
 
 
 @pytest.fixture(scope="module")
-def chunked_client():
-    from conftest import _real_server
-
+def chunked_client(chunked_real_server):
     # A 16-token budget: the long prompt (41 tokens) takes three steps, decoding the other streams meanwhile.
-    engine, server = _real_server(max_num_seqs=8, enable_chunked_prefill=True, max_num_batched_tokens=16)
-    with server:
-        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=chunked_real_server.base_url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
 
 
 def test_chunked_prefill_server_streams_the_same_tokens(client, chunked_client):
