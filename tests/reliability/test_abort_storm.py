@@ -41,12 +41,12 @@ def plan(seed: int) -> list[dict[str, Any]]:
         else:
             body["prompt"] = [rng.randrange(100, 40000) for _ in range(rng.randint(3, 40))]
         if leave is Leave.NON_STREAMED:
-            body["max_tokens"] = 80  # long enough to be running when its client leaves
+            body["max_tokens"] = 256  # far longer than the client waits, on any machine
         stream = leave in (Leave.BEFORE_FIRST_TOKEN, Leave.MID_STREAM, Leave.WHILE_QUEUED) or (
             leave is Leave.STAYS and rng.random() < 0.6)
         jobs.append({"at": rng.uniform(0, SPREAD_S), "body": body, "chat": chat, "stream": stream, "leave": leave,
                      "events": rng.randint(1, 6), "after_s": rng.uniform(0.0, 0.05 if leave is Leave.WHILE_QUEUED
-                                                                          else 0.4)})
+                                                                          else 0.15)})
     return jobs
 
 
@@ -93,7 +93,7 @@ async def storm(base: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_abort_storm_frees_every_block(tiny_llama_dir):
     jobs = plan(seed=8)
     # A small batch and cache: requests queue, and some are preempted while their clients leave.
-    with serve(tiny_llama_dir, num_gpu_blocks_override=48, num_cpu_blocks_override=32, max_num_seqs=8) as server:
+    with serve(tiny_llama_dir, max_model_len=512, num_gpu_blocks_override=48, num_cpu_blocks_override=32, max_num_seqs=8) as server:
         results = asyncio.run(storm(server.base_url, jobs))
         wait_engine_idle(server)
         leaks = leaked_blocks(server)
@@ -113,9 +113,12 @@ def test_abort_storm_frees_every_block(tiny_llama_dir):
     for job, res in stayed:
         want = job["body"]["max_tokens"] * job["body"]["n"]
         assert (res["status"], res["done"], res["error"], res["tokens"]) == (200, True, None, want), (job, res)
-    # A few quick ones finish before their client leaves; those answered 200 above (no 5xx).
-    assert sum(left.values()) >= NUM_REQUESTS // 3 - 16, left
-    assert all(left[m.value] > 0 for m in Leave if m is not Leave.STAYS), left
+    # Streams always leave; a quick request sent to leave while queued may finish first on a fast machine
+    # (it answered 200, no 5xx above); a 256-token one is still running when its client leaves.
+    planned = Counter(j["leave"].value for j in jobs)
+    for mode in (Leave.BEFORE_FIRST_TOKEN, Leave.MID_STREAM, Leave.NON_STREAMED):
+        assert left[mode.value] == planned[mode.value], (left, planned)
+    assert left[Leave.WHILE_QUEUED.value] > 0, left
     assert leaks == final_leaks == {"gpu_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
     assert idle["num_requests_running"] == idle["num_requests_waiting"] == idle["num_requests_swapped"] == 0, idle
     assert idle["kv_cache_usage_perc"] == 0 and idle["cpu_cache_usage_perc"] == 0, idle
