@@ -221,7 +221,7 @@ class Scheduler:
             if not seqs and group.is_finished():
                 self._finish(group, SequenceStatus.FINISHED_ABORTED)  # frees what the engine left; statuses stay
                 continue
-            if self.chunked_prefill and len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1:  # mid-prompt
+            if self.chunked_prefill and _is_mid_prefill(seqs):
                 # Its next chunk comes from _schedule_mixed, after every decode.
                 self.running.append(group)
                 continue
@@ -257,7 +257,7 @@ class Scheduler:
             group_seqs = group.get_max_num_running_seqs()
             seqs = group.get_seqs(SequenceStatus.SWAPPED)
             # A prompt swapped out between its chunks (--preemption-mode swap) resumes with a chunk of its own.
-            mid_prefill = self.chunked_prefill and len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1
+            mid_prefill = self.chunked_prefill and _is_mid_prefill(seqs)
             num_tokens = 1 if mid_prefill else sum(seq.num_uncomputed_tokens() for seq in seqs)
             if status is AllocStatus.LATER or num_seqs + group_seqs > self.max_num_seqs or num_tokens > token_budget:
                 break
@@ -360,14 +360,9 @@ class Scheduler:
         """Call right after the forward, before new tokens are appended: what ran now has K/V in the cache."""
         caching = self.block_manager.enable_prefix_caching
         for group, _, num_tokens, samples in out.scheduled:
-            if samples:
-                for seq in group.seqs:
-                    if seq.status is SequenceStatus.RUNNING:
-                        seq.num_computed_tokens = seq.get_len()
-            else:  # a prompt chunk of the group's one running sequence
-                for seq in group.seqs:
-                    if seq.status is SequenceStatus.RUNNING:
-                        seq.num_computed_tokens += num_tokens
+            for seq in group.seqs:
+                if seq.status is SequenceStatus.RUNNING:  # (not samples: a chunk of the one running sequence's prompt)
+                    seq.num_computed_tokens = seq.get_len() if samples else seq.num_computed_tokens + num_tokens
             if caching:
                 self.block_manager.mark_blocks_as_computed(group)
 
@@ -389,10 +384,15 @@ def _chunk_size(num_uncomputed: int, budget: int) -> int:
     return max(0, min(budget, num_uncomputed - 2))
 
 
+def _is_mid_prefill(seqs: list[Sequence]) -> bool:
+    """One sequence with more than its next token still to compute: a prompt between chunks."""
+    return len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1
+
+
 def _mid_prefill_seq(group: SequenceGroup) -> Optional[Sequence]:
-    """The group's one running sequence if more than its next token is still to compute (a chunked prompt)."""
+    """The group's one running sequence if it is a prompt between chunks."""
     seqs = [seq for seq in group.seqs if seq.status is SequenceStatus.RUNNING]
-    return seqs[0] if len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1 else None
+    return seqs[0] if _is_mid_prefill(seqs) else None
 
 
 def _priority_key(group: SequenceGroup) -> tuple[int, float]:
