@@ -8,9 +8,10 @@ about 3x on the LM head and 1.3-1.5x on the other layers of SmolLM2 at batch 32
 (docs/benchmarks.md). The result is the same float32 product up to summation
 order (~1e-6 relative), like any other GEMM library.
 
-bfloat16 weights are packed too: oneDNN then runs AVX-512 BF16 dot products
-(float32 accumulation) where the CPU has them, 1.6-1.9x F.linear on the LM head
-and the same output bits as F.linear in our checks.
+bfloat16 weights are packed too where oneDNN can (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): it then runs
+AVX-512 BF16 dot products (float32 accumulation) where the CPU has them, 1.6-1.9x F.linear on the LM
+head and the same output bits as F.linear in our checks. On an AVX2-only CPU oneDNN refuses bfloat16
+weights, and those linears stay on F.linear.
 
 The packed copy replaces the original: pack_linears releases each linear's weight (an empty tensor of the
 same dtype is left in its place, in_features/out_features are kept), so the weights are held once: the
@@ -20,7 +21,7 @@ serves CPU inputs of its own dtype only (RuntimeError otherwise), of any leading
 
 Use (the model runner, once the weights are loaded):
 
-    pack_linears(model)   # every CPU float32/bfloat16 nn.Linear now multiplies with its packed copy
+    pack_linears(model)   # every CPU nn.Linear of a packed dtype now multiplies with its packed copy
 """
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def packed_linear_available() -> bool:
     )
 
 
-_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs on this CPU: float32 always, bfloat16 where oneDNN supports it."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 # oneDNN builds (and caches, LRU) one primitive per input shape. A server sees every row count from 1 to
@@ -92,7 +96,9 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # x: [..
 
 @torch.no_grad()
 def pack_linears(model: nn.Module) -> int:
-    """Give every float32/bfloat16 CPU nn.Linear of `model` a packed weight and a forward that uses it; returns how many.
+    """Give every CPU nn.Linear of a packed dtype (packed_dtypes()) a packed weight and a forward that uses it.
+
+    Returns how many linears were packed.
 
     Each packed linear's own weight is released (left as an empty tensor); one shared with another parameter
     or buffer of `model` (a tied head) is kept. Released weights cannot be reloaded: load into a fresh model.
@@ -101,7 +107,8 @@ def pack_linears(model: nn.Module) -> int:
     if not packed_linear_available():
         return 0
     users = _storage_users(model)
-    linears = [m for m in model.modules() if type(m) is nn.Linear and _packable(m.weight)]
+    dtypes = packed_dtypes()
+    linears = [m for m in model.modules() if type(m) is nn.Linear and _packable(m.weight, dtypes)]
     released = sum(_pack(m, users) for m in linears)
     if released:  # no reference to a released weight is left in this frame
         _trim_heap()
@@ -109,9 +116,9 @@ def pack_linears(model: nn.Module) -> int:
     return len(linears)
 
 
-def _packable(w: torch.Tensor) -> bool:
+def _packable(w: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
     # numel 0: released by an earlier call, whose packed copy still serves.
-    return w.device.type == "cpu" and w.dtype in _PACKED_DTYPES and not w.is_meta and w.numel() > 0
+    return w.device.type == "cpu" and w.dtype in dtypes and not w.is_meta and w.numel() > 0
 
 
 def _pack(module: nn.Linear, users: Counter) -> bool:

@@ -11,18 +11,23 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.cpu_linear import EXACT_ROWS, bucket_rows, pack_linears, packed_linear_available
+from engine.cpu_linear import EXACT_ROWS, bucket_rows, pack_linears, packed_dtypes, packed_linear_available
 from engine.models.llama import LlamaForCausalLM
 from tiny_models import tiny_llama_config
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch has no oneDNN packed linear")
 
 
+# oneDNN packs bfloat16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2 CPU keeps F.linear there.
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    torch.bfloat16 not in packed_dtypes(), reason="oneDNN cannot pack bfloat16 weights on this CPU"))]
+
+
 def _tolerance(dtype: torch.dtype) -> dict:
     return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype, bias):
     torch.manual_seed(0)
@@ -85,7 +90,7 @@ def _logits(model: LlamaForCausalLM, lens: list[int]) -> torch.Tensor:  # [num_t
         return model.compute_logits(model(input_ids, positions, None, meta))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_llama_matches_unpacked(dtype, tied):
     ref = _tiny_llama(dtype, tied)
@@ -97,7 +102,7 @@ def test_packed_llama_matches_unpacked(dtype, tied):
     torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_takes_any_leading_dims(dtype):
     torch.manual_seed(2)
     layer = nn.Linear(48, 40, bias=True, dtype=dtype)
@@ -108,6 +113,17 @@ def test_packed_linear_takes_any_leading_dims(dtype):
         out = layer(x)
         assert out.shape == (*shape[:-1], 40) and out.dtype == dtype
         torch.testing.assert_close(out, nn.functional.linear(x, weight, bias), **_tolerance(dtype))
+
+
+@pytest.mark.skipif(torch.bfloat16 in packed_dtypes(), reason="this CPU packs bfloat16 weights")
+def test_bfloat16_stays_on_f_linear_where_onednn_cannot_pack_it():
+    ref = _tiny_llama(torch.bfloat16, tied=False)
+    model = copy.deepcopy(ref)
+    assert pack_linears(model) == 0
+    assert not any(hasattr(m, "_packed_weight") for m in model.modules())
+    assert model.layers[0].mlp.down_proj.weight.numel() > 0  # nothing released
+    lens = [5, 17, 1]
+    torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), atol=0, rtol=0)
 
 
 def test_packed_linear_refuses_inputs_it_cannot_serve():
