@@ -6,7 +6,7 @@ of LLMEngine.step() with a timer around each stage (wrapped methods; the step
 itself is unchanged). Optionally a torch.profiler table of the forward's ops.
 
     .venv/bin/python benchmarks/profile_step.py                       # batch 32, 128-token prompts
-    .venv/bin/python benchmarks/profile_step.py --torch-profile       # plus the top ops
+    .venv/bin/python benchmarks/profile_step.py --torch-profile       # plus the top ops (with --prefill too)
     .venv/bin/python benchmarks/profile_step.py --dtype bfloat16      # bf16 weights and activations
     .venv/bin/python benchmarks/profile_step.py --prefill             # one 128-token prefill (TTFT's forward)
     py-spy record -o step.svg -- .venv/bin/python benchmarks/profile_step.py --steps 200
@@ -106,6 +106,15 @@ def profile_prefill(engine, timer: StageTimer, args) -> None:
     print(f"prefill of {args.input_len} tokens, dtype {engine.dtype}, {torch.get_num_threads()} torch threads, "
           f"{len(forward_ms)} runs: forward median {forward_ms[med]:.1f} ms (best {forward_ms[0]:.1f}), "
           f"step median {step_ms[med]:.1f} ms (best {step_ms[0]:.1f})")
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i, prompt in enumerate(make_prompts(8, args.input_len, 2)):
+                engine.add_request(f"q{i}", prompt_token_ids=prompt, params=params)
+                while engine.has_unfinished_requests():
+                    engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(

@@ -102,3 +102,19 @@ def test_folder_without_weights_and_unknown_architecture_are_refused(tmp_path, d
         loader.load_model(EngineConfig(model=str(gpt2), device="cpu"))
     with pytest.raises(ValueError, match="no such folder or file"):
         loader.load_model(EngineConfig(model=str(tmp_path / "missing"), device="cpu"))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bfloat16_on_a_cpu_without_native_bf16_warns(native, monkeypatch, caplog):
+    # The probe reads CPUID; both answers are checked here whatever this machine's CPU is.
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger=loader.logger.name):
+        assert loader.resolve_dtype(EngineConfig(dtype="bfloat16"), None, cpu) == torch.bfloat16
+        assert loader.resolve_dtype(EngineConfig(dtype="float32"), None, cpu) == torch.float32
+        assert loader.resolve_dtype(EngineConfig(dtype="auto"), None, cpu) == torch.float32
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if native:
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "--dtype bfloat16" in warned[0] and "float32" in warned[0]
