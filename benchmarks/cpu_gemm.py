@@ -2,7 +2,8 @@
 
 Each layer has its own weights (cold: what a forward sees), or one layer's weights serve all 30 calls
 (--hot). Per row count it times one sweep of the four linears of every layer (qkv 576->960, o 576->576,
-gate_up 576->3072, down 1536->576) with each library torch offers on CPU, and prints GFLOP/s:
+gate_up 576->3072, down 1536->576) with each library torch offers on CPU, and prints GFLOP/s (median of
+repeats):
 
 - onednn: the packed oneDNN linear pagedserve uses (engine/cpu_linear.py);
 - f_linear: F.linear (MKL sgemm, repacking the weight per call);
@@ -17,29 +18,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import engine  # noqa: E402,F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp, as the server does)
+import torch  # noqa: E402
+
+from kernels import timed  # noqa: E402  (benchmarks/kernels.py: median seconds per call)
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of qkv, o, gate_up, down
 LIBS = ("onednn", "f_linear", "mkl_packed", "int8")
 
 
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up: primitive creation, first touch
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def sweep(lib: str, rows: int, layers: int, weights: list[list[torch.Tensor]], dtype: torch.dtype):
     """A closure running every layer's four linears once with `lib`, or None if it does not apply."""
     xs = [torch.randn(rows, i, dtype=dtype) for i, _ in SHAPES]
-    w = lambda layer: weights[layer % len(weights)]  # noqa: E731 (hot: one layer's weights for all)
+
+    def w(layer: int) -> list[torch.Tensor]:  # --hot: one layer's weights serve every layer
+        return weights[layer % len(weights)]
+
     if lib == "onednn":
         packed = [[torch.ops.mkldnn._reorder_linear_weight(t, None) for t in ws] for ws in weights]
         return lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], "")
@@ -73,7 +71,7 @@ def main() -> None:
     p.add_argument("--hot", action="store_true", help="one layer's weights for every call (cache-resident)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--libs", default=",".join(LIBS))
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per measurement (median)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,7 +87,7 @@ def main() -> None:
             if fn is None:
                 continue
             with torch.inference_mode():
-                seconds = best_of(fn, args.repeats)
+                seconds = timed(fn, torch.device("cpu"), args.min_time)
             results.append({"lib": lib, "rows": rows, "ms": seconds * 1e3, "gflops": gflop / seconds})
             line.append(f"{lib} {seconds * 1e3:.1f} ms ({gflop / seconds:.0f} GFLOP/s)")
         print(f"rows {rows}, {args.layers} layers ({'hot' if args.hot else 'cold'}), {args.threads} threads, "

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_cpu_gemm_reports_a_rate_for_every_library(tmp_path):
     out = tmp_path / "gemm.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/cpu_gemm.py", "--layers", "1", "--rows", "2", "16", "--repeats", "1",
+        [sys.executable, "benchmarks/cpu_gemm.py", "--layers", "1", "--rows", "2", "16", "--min-time", "0",
          "--output-json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
