@@ -28,12 +28,12 @@ from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus  # noqa: E402
 
 
-def make_scheduler(args, num_gpu_blocks: int) -> Scheduler:
+def make_scheduler(args, num_device_blocks: int) -> Scheduler:
     config = EngineConfig(block_size=args.block_size, max_model_len=4096, max_num_seqs=args.num_groups,
                           max_num_batched_tokens=max(4096, args.num_groups * args.prompt_len),
                           enable_prefix_caching=args.prefix_caching)
     config.resolve(4096)
-    return Scheduler(config, num_gpu_blocks, num_cpu_blocks=0)
+    return Scheduler(config, num_device_blocks, num_cpu_blocks=0)
 
 
 def make_groups(args, first_id: int = 0) -> list[SequenceGroup]:
@@ -60,7 +60,7 @@ def summarize(samples_ns: list[int], cpu_ns: list[int]) -> dict:
 def bench_decode(args) -> tuple[dict, dict]:
     """schedule() with num_groups RUNNING single-sequence groups, one decode token each, for many steps."""
     blocks_per_seq = -(-(args.prompt_len + args.steps + args.warmup + 1) // args.block_size)
-    sched = make_scheduler(args, num_gpu_blocks=args.num_groups * blocks_per_seq)
+    sched = make_scheduler(args, num_device_blocks=args.num_groups * blocks_per_seq)
     for group in make_groups(args):
         sched.add_seq_group(group)
     schedule_ns, schedule_cpu_ns, step_ns, step_cpu_ns = [], [], [], []
@@ -89,7 +89,7 @@ def bench_prefill(args) -> dict:
     blocks_per_seq = -(-args.prompt_len // args.block_size) + 1
     samples, cpu_samples = [], []
     for rep in range(args.prefill_reps):
-        sched = make_scheduler(args, num_gpu_blocks=args.num_groups * blocks_per_seq)
+        sched = make_scheduler(args, num_device_blocks=args.num_groups * blocks_per_seq)
         for group in make_groups(args):
             sched.add_seq_group(group)
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()

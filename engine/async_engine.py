@@ -191,7 +191,7 @@ class AsyncLLMEngine:
             stats = self.engine.get_stats()
             logger.info("engine stopped: %d request(s) ended at the shutdown timeout, %d left in the engine, "
                         "KV cache usage %.1f%%", self.num_cut_at_shutdown,
-                        stats.num_running + stats.num_waiting + stats.num_swapped, 100 * stats.gpu_cache_usage)
+                        stats.num_running + stats.num_waiting + stats.num_swapped, 100 * stats.device_cache_usage)
 
     # -- requests --
     async def generate(

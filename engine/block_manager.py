@@ -22,14 +22,14 @@ class AllocStatus(enum.Enum):
     NEVER = enum.auto()
 
 
-def watermark_blocks(num_gpu_blocks: int, watermark: float) -> int:
-    """Device blocks admission keeps free; a prompt fits an empty cache only in num_gpu_blocks minus these."""
-    return int(watermark * num_gpu_blocks)
+def watermark_blocks(num_device_blocks: int, watermark: float) -> int:
+    """Device blocks admission keeps free; a prompt fits an empty cache only in num_device_blocks minus these."""
+    return int(watermark * num_device_blocks)
 
 
-def max_admissible_tokens(block_size: int, num_gpu_blocks: int, watermark: float) -> int:
+def max_admissible_tokens(block_size: int, num_device_blocks: int, watermark: float) -> int:
     """The longest prompt can_allocate() ever admits (one sequence, empty cache); startup checks compare max_model_len."""
-    return max(num_gpu_blocks - watermark_blocks(num_gpu_blocks, watermark), 0) * block_size
+    return max(num_device_blocks - watermark_blocks(num_device_blocks, watermark), 0) * block_size
 
 
 class BlockSpaceManager:
@@ -38,18 +38,18 @@ class BlockSpaceManager:
     def __init__(
         self,
         block_size: int,
-        num_gpu_blocks: int,
+        num_device_blocks: int,
         num_cpu_blocks: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
     ) -> None:
         self.block_size = block_size
-        self.num_gpu_blocks = num_gpu_blocks
+        self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         # Blocks kept free at admission so running sequences can grow without preempting at once.
-        self.watermark_blocks = watermark_blocks(num_gpu_blocks, watermark)
-        self.gpu = BlockAllocator(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.watermark_blocks = watermark_blocks(num_device_blocks, watermark)
+        self.gpu = BlockAllocator(num_device_blocks, enable_caching=enable_prefix_caching)
         self.cpu = BlockAllocator(num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}  # seq_id -> device blocks
         self.cpu_block_tables: dict[int, BlockTable] = {}  # seq_id -> swap blocks, while SWAPPED
@@ -77,7 +77,7 @@ class BlockSpaceManager:
         if self.gpu.num_free() - num_taken_from_free >= self.watermark_blocks:
             return AllocStatus.OK
         # Never: it would not fit even in an empty cache, where nothing is cached to share.
-        if self.num_gpu_blocks - num_required < self.watermark_blocks:
+        if self.num_device_blocks - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
         return AllocStatus.LATER
 
@@ -196,7 +196,7 @@ class BlockSpaceManager:
         return self._unique_blocks(self.block_tables, running) <= self.cpu.num_free()
 
     def swap_out(self, group: SequenceGroup, mapping: Optional[dict[int, int]] = None) -> dict[int, int]:
-        """Move the RUNNING sequences' blocks to the swap pool; returns {gpu_block: cpu_block}.
+        """Move the RUNNING sequences' blocks to the swap pool; returns {device_block: cpu_block}.
 
         Pass the step's mapping so far: a block another group swapped out in this step (a shared
         prefix-cache block) then maps to the same cpu block, which a {src: dst} dict can express.
@@ -212,14 +212,14 @@ class BlockSpaceManager:
         swapped = group.get_seqs(SequenceStatus.SWAPPED)
         # One extra block per sequence: each appends a slot (or copies a shared block) right after.
         num_required = self._unique_blocks(self.cpu_block_tables, swapped) + len(swapped)
-        if self.num_gpu_blocks - num_required < self.watermark_blocks:
+        if self.num_device_blocks - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu.num_free() - num_required < self.watermark_blocks:
             return AllocStatus.LATER
         return AllocStatus.OK
 
     def swap_in(self, group: SequenceGroup, mapping: Optional[dict[int, int]] = None) -> dict[int, int]:
-        """Bring the SWAPPED sequences' blocks back to the device; returns {cpu_block: gpu_block} (see swap_out)."""
+        """Bring the SWAPPED sequences' blocks back to the device; returns {cpu_block: device_block} (see swap_out)."""
         return self._move(group.get_seqs(SequenceStatus.SWAPPED), self.cpu_block_tables, self.cpu,
                           self.block_tables, self.gpu, mapping)
 
@@ -267,14 +267,14 @@ class BlockSpaceManager:
 
     # -- figures -------------------------------------------------------------------
 
-    def get_num_free_gpu_blocks(self) -> int:
+    def get_num_free_device_blocks(self) -> int:
         return self.gpu.num_free()
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu.num_free()
 
-    def gpu_usage(self) -> float:
-        return 1.0 - self.gpu.num_free() / self.num_gpu_blocks if self.num_gpu_blocks else 0.0
+    def device_usage(self) -> float:
+        return 1.0 - self.gpu.num_free() / self.num_device_blocks if self.num_device_blocks else 0.0
 
     def cpu_usage(self) -> float:
         return 1.0 - self.cpu.num_free() / self.num_cpu_blocks if self.num_cpu_blocks else 0.0

@@ -6,7 +6,7 @@ Use (the engine, once per process):
     cache = CacheEngine(config.block_size, hf_config, num_gpu, num_cpu, device, dtype)
     ...each step:
     cache.apply(out)                              # swap out, swap in, copy: in that order
-    logits, prompt_logits = runner.execute(out, cache.gpu_cache)
+    logits, prompt_logits = runner.execute(out, cache.device_cache)
 """
 from __future__ import annotations
 
@@ -42,16 +42,16 @@ class CacheEngine:
     """Per-layer key and value cache tensors on the device, and the same layout in a host swap pool."""
 
     def __init__(
-        self, block_size: int, hf_config, num_gpu_blocks: int, num_cpu_blocks: int,
+        self, block_size: int, hf_config, num_device_blocks: int, num_cpu_blocks: int,
         device: torch.device, dtype: torch.dtype,
     ) -> None:
-        self.block_size, self.num_gpu_blocks, self.num_cpu_blocks = block_size, num_gpu_blocks, num_cpu_blocks
+        self.block_size, self.num_device_blocks, self.num_cpu_blocks = block_size, num_device_blocks, num_cpu_blocks
         self.device, self.dtype = torch.device(device), dtype
         layers, kv_heads, head_size = _kv_shape(hf_config)
         self.num_layers = layers
         self.block_shape = (kv_heads, block_size, head_size)
         # torch.empty: the attention only reads slots it wrote, so zeroing gigabytes would be wasted time.
-        self.gpu_cache: list[KVCache] = self._allocate(num_gpu_blocks, self.device, pin=False)
+        self.device_cache: list[KVCache] = self._allocate(num_device_blocks, self.device, pin=False)
         pin = self.device.type == "cuda"  # pinned host memory makes device <-> host copies asynchronous
         self.cpu_cache: list[KVCache] = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin)
 
@@ -69,11 +69,11 @@ class CacheEngine:
 
     def swap_out(self, mapping: dict[int, int]) -> None:
         """Device block -> host block, every layer."""
-        self._swap(self.gpu_cache, self.cpu_cache, mapping)
+        self._swap(self.device_cache, self.cpu_cache, mapping)
 
     def swap_in(self, mapping: dict[int, int]) -> None:
         """Host block -> device block, every layer."""
-        self._swap(self.cpu_cache, self.gpu_cache, mapping)
+        self._swap(self.cpu_cache, self.device_cache, mapping)
 
     def _swap(self, src: list[KVCache], dst: list[KVCache], mapping: dict[int, int]) -> None:
         if not mapping:
@@ -88,7 +88,7 @@ class CacheEngine:
         if not pairs:
             return
         block_mapping = self._mapping(pairs)
-        ops.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], block_mapping)
+        ops.copy_blocks([k for k, _ in self.device_cache], [v for _, v in self.device_cache], block_mapping)
 
     def apply(self, out) -> None:
         """A SchedulerOutput's cache moves, in the order the scheduler decided them: swap out, swap in, copy."""
@@ -101,7 +101,7 @@ def determine_num_blocks(
     config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device,
     profile: Optional[Callable[[], None]] = None,
 ) -> tuple[int, int]:
-    """(num_gpu_blocks, num_cpu_blocks) for the config; ValueError naming the flag if max_model_len cannot fit.
+    """(num_device_blocks, num_cpu_blocks) for the config; ValueError naming the flag if max_model_len cannot fit.
 
     Device blocks: num_gpu_blocks_override, else on CPU kv_cache_space GiB, else on CUDA
     gpu_memory_utilization of the GPU minus the peak of `profile()` (a max-size forward).

@@ -31,10 +31,10 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_swapped: int
-    gpu_cache_usage: float
+    device_cache_usage: float
     cpu_cache_usage: float
     prefix_cache_hit_rate: float
-    num_gpu_blocks: int
+    num_device_blocks: int
     num_cpu_blocks: int
     block_size: int
     num_preemptions_recompute: int
@@ -57,13 +57,13 @@ class LLMEngine:
         # Build/load the kernels now: loading imports torch.utils.cpp_extension (setuptools, ~0.3 s
         # holding the GIL), which in the first step would stall a server's event loop.
         ops.backend()
-        num_gpu_blocks, num_cpu_blocks = determine_num_blocks(
+        num_device_blocks, num_cpu_blocks = determine_num_blocks(
             config, self.hf_config, self.dtype, self.device, profile=self.model_runner.profile_run
         )
         self.cache_engine = CacheEngine(
-            config.block_size, self.hf_config, num_gpu_blocks, num_cpu_blocks, self.device, self.dtype
+            config.block_size, self.hf_config, num_device_blocks, num_cpu_blocks, self.device, self.dtype
         )
-        self.scheduler = Scheduler(config, num_gpu_blocks, num_cpu_blocks)
+        self.scheduler = Scheduler(config, num_device_blocks, num_cpu_blocks)
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
         self.vocab_size = int(self.hf_config.vocab_size)
         self.sampler = Sampler(eos_token_id=self.eos_token_id)
@@ -142,7 +142,7 @@ class LLMEngine:
         self._prompt_tokens_total += sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
         chunk_starts = {sg.group.request_id: sg.group.get_seqs(SequenceStatus.RUNNING)[0].num_computed_tokens
                         for sg in out.scheduled if sg.is_prefill and sg.group.sampling_params.prompt_logprobs is not None}
-        logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.gpu_cache)
+        logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.device_cache)
         self.scheduler.update_computed(out)
         for request_id, chunk in prompt_logits.items():
             group = next(sg.group for sg in out.scheduled if sg.group.request_id == request_id)
@@ -164,10 +164,10 @@ class LLMEngine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
-            gpu_cache_usage=bm.gpu_usage(),
+            device_cache_usage=bm.device_usage(),
             cpu_cache_usage=bm.cpu_usage(),
             prefix_cache_hit_rate=bm.prefix_cache_hit_rate(),
-            num_gpu_blocks=self.cache_engine.num_gpu_blocks,
+            num_device_blocks=self.cache_engine.num_device_blocks,
             num_cpu_blocks=self.cache_engine.num_cpu_blocks,
             block_size=self.config.block_size,
             num_preemptions_recompute=self._preempted_recompute,

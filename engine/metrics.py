@@ -68,7 +68,7 @@ class Metrics:
             {
                 "model_name": self.model_name,
                 "block_size": str(stats.block_size),
-                "num_gpu_blocks": str(stats.num_gpu_blocks),
+                "num_device_blocks": str(stats.num_device_blocks),
                 "num_cpu_blocks": str(stats.num_cpu_blocks),
             }
         )
@@ -79,7 +79,7 @@ class Metrics:
         self.num_requests_running.labels(m).set(stats.num_running)
         self.num_requests_waiting.labels(m).set(stats.num_waiting)
         self.num_requests_swapped.labels(m).set(stats.num_swapped)
-        self.kv_cache_usage_perc.labels(m).set(stats.gpu_cache_usage)
+        self.kv_cache_usage_perc.labels(m).set(stats.device_cache_usage)
         self.cpu_cache_usage_perc.labels(m).set(stats.cpu_cache_usage)
         self.prefix_cache_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
         current = {
@@ -150,7 +150,7 @@ class StatLogger:
             f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
             f"Running: {stats.num_running} reqs, Swapped: {stats.num_swapped} reqs, "
             f"Pending: {stats.num_waiting} reqs, "
-            f"GPU KV cache usage: {stats.gpu_cache_usage * 100:.1f}%, "
+            f"KV cache usage: {stats.device_cache_usage * 100:.1f}%, "
             f"CPU KV cache usage: {stats.cpu_cache_usage * 100:.1f}%."
         )
         logger.info(line)

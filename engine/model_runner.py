@@ -3,7 +3,7 @@
 Use (the engine, each step, after cache_engine.apply(out)):
 
     runner = ModelRunner(config, model, device)
-    logits, prompt_logits = runner.execute(out, cache_engine.gpu_cache)
+    logits, prompt_logits = runner.execute(out, cache_engine.device_cache)
     # logits: [num_rows, vocab] float32, one row per RUNNING sequence of each scheduled group, in order
     # prompt_logits: {request_id: [num_prompt_tokens_computed, vocab]} for prefills asking prompt_logprobs
 """

@@ -54,7 +54,7 @@ class Scheduler:
     what is left of the budget (a long prompt takes several steps, and the decodes go on meanwhile).
     """
 
-    def __init__(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_device_blocks: int, num_cpu_blocks: int) -> None:
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             raise ValueError("EngineConfig.resolve() must run before the Scheduler is built.")
         self.max_model_len = config.max_model_len
@@ -64,7 +64,7 @@ class Scheduler:
         self.preemption_mode = config.preemption_mode
         self.policy = config.scheduling_policy
         self.block_manager = BlockSpaceManager(
-            config.block_size, num_gpu_blocks, num_cpu_blocks, config.watermark, config.enable_prefix_caching
+            config.block_size, num_device_blocks, num_cpu_blocks, config.watermark, config.enable_prefix_caching
         )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
@@ -203,7 +203,7 @@ class Scheduler:
             bm = self.block_manager
             needed = sum(bm.blocks_for(seq.get_len()) for seq in seqs)
             return (f"The request ({longest} tokens) needs {needed} KV cache blocks of {bm.block_size} tokens, but "
-                    f"the cache has {bm.num_gpu_blocks} (less a watermark of {bm.watermark_blocks}): it can never "
+                    f"the cache has {bm.num_device_blocks} (less a watermark of {bm.watermark_blocks}): it can never "
                     "run. Give the KV cache more memory (--gpu-memory-utilization, --kv-cache-space).")
         return None
 
@@ -226,7 +226,7 @@ class Scheduler:
                 self.running.append(group)
                 continue
             num_new_blocks = bm.num_append_blocks(seqs)
-            while num_new_blocks and num_new_blocks > bm.get_num_free_gpu_blocks():
+            while num_new_blocks and num_new_blocks > bm.get_num_free_device_blocks():
                 victim = queue.pop() if queue else group
                 self._preempt(victim, out)
                 preempted = True
@@ -250,7 +250,7 @@ class Scheduler:
             if status is AllocStatus.NEVER:
                 needed = len(group.get_seqs(SequenceStatus.SWAPPED))
                 self._ignore(group, out, f"The request was swapped out and its {needed} sequences no longer fit in the "
-                             f"KV cache ({bm.num_gpu_blocks} blocks) to resume. Give the KV cache more memory "
+                             f"KV cache ({bm.num_device_blocks} blocks) to resume. Give the KV cache more memory "
                              "(--gpu-memory-utilization, --kv-cache-space) or ask for fewer sequences (n, best_of).",
                              queue=self.swapped, status=SequenceStatus.FINISHED_ERROR)
                 continue

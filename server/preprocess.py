@@ -224,10 +224,10 @@ def _check_capacity(ctx: ServerContext, params: SamplingParams, prompt_len: int,
     stats = ctx.engine.get_stats()
     # Upper bound: after a preemption the sequences no longer share their prompt blocks.
     needed = num_seqs * -(-(prompt_len + params.max_tokens) // stats.block_size)
-    if needed > stats.num_gpu_blocks:
+    if needed > stats.num_device_blocks:
         raise APIError(
             f"{num_seqs} sequences of up to {prompt_len + params.max_tokens} tokens need {needed} KV cache blocks; "
-            f"the cache has {stats.num_gpu_blocks}. Lower max_tokens or {param}, or give the KV cache more memory "
+            f"the cache has {stats.num_device_blocks}. Lower max_tokens or {param}, or give the KV cache more memory "
             "(--kv-cache-space, --gpu-memory-utilization).", 400, param)
 
 

@@ -47,7 +47,7 @@ def assert_all_blocks_free(engine) -> None:
     """Nothing left running, every device block back in the pool, no swap block in use."""
     assert not engine.has_unfinished_requests()
     bm = engine.scheduler.block_manager
-    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
     assert bm.get_num_free_cpu_blocks() == bm.num_cpu_blocks
     assert not bm.block_tables and not bm.cpu_block_tables
 

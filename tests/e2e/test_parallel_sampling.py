@@ -17,7 +17,7 @@ def _used_blocks_while_decoding(engine, requests: list[tuple[str, SamplingParams
     while not groups() or any(s.get_output_len() < 2 for g in groups() for s in g.get_seqs(SequenceStatus.RUNNING)):
         engine.step()
     bm = engine.scheduler.block_manager
-    used = bm.num_gpu_blocks - bm.get_num_free_gpu_blocks()
+    used = bm.num_device_blocks - bm.get_num_free_device_blocks()
     while engine.has_unfinished_requests():
         engine.step()
     return used

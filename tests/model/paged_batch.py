@@ -46,7 +46,7 @@ class PagedBatch:
             n = seq.num_uncomputed_tokens()
             scheduled.append(ScheduledGroup(g, n > 1, n))
         out = SchedulerOutput(scheduled=scheduled, block_tables={s.group.seqs[0].seq_id: self.tables[s.group.seqs[0].seq_id] for s in scheduled})
-        logits, prompt_logits = self.runner.execute(out, self.cache.gpu_cache)
+        logits, prompt_logits = self.runner.execute(out, self.cache.device_cache)
         for g in groups:
             g.seqs[0].num_computed_tokens = g.seqs[0].get_len()
         return logits, prompt_logits

@@ -15,7 +15,7 @@ HF_CONFIG = tiny_llama_config()  # 2 layers, 2 KV heads, head_dim 16
 def _filled_engine(num_gpu=10, num_cpu=6, block_size=8) -> CacheEngine:
     engine = CacheEngine(block_size, HF_CONFIG, num_gpu, num_cpu, torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(0)
-    for k, v in engine.gpu_cache + engine.cpu_cache:
+    for k, v in engine.device_cache + engine.cpu_cache:
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
     return engine
@@ -23,22 +23,22 @@ def _filled_engine(num_gpu=10, num_cpu=6, block_size=8) -> CacheEngine:
 
 def test_layout_is_one_key_and_value_tensor_per_layer():
     engine = _filled_engine()
-    assert len(engine.gpu_cache) == 2 and len(engine.cpu_cache) == 2
-    assert engine.gpu_cache[0][0].shape == (10, 2, 8, 16)  # [num_blocks, num_kv_heads, block_size, head_size]
+    assert len(engine.device_cache) == 2 and len(engine.cpu_cache) == 2
+    assert engine.device_cache[0][0].shape == (10, 2, 8, 16)  # [num_blocks, num_kv_heads, block_size, head_size]
     assert engine.cpu_cache[1][1].shape == (6, 2, 8, 16)
     assert cache_block_bytes(8, HF_CONFIG, torch.float32) == 2 * 2 * 2 * 8 * 16 * 4
 
 
 def test_swap_out_then_in_restores_the_bytes():
     engine = _filled_engine()
-    before = [(k.clone(), v.clone()) for k, v in engine.gpu_cache]
+    before = [(k.clone(), v.clone()) for k, v in engine.device_cache]
     engine.swap_out({3: 0, 7: 5})
     for (k, v), (k0, v0) in zip(engine.cpu_cache, before):
         assert torch.equal(k[0], k0[3]) and torch.equal(v[5], v0[7])
-    for k, v in engine.gpu_cache:  # the device blocks are reused by others meanwhile
+    for k, v in engine.device_cache:  # the device blocks are reused by others meanwhile
         k[3].zero_(), v[7].zero_()
     engine.swap_in({0: 1, 5: 9})
-    for (k, v), (k0, v0) in zip(engine.gpu_cache, before):
+    for (k, v), (k0, v0) in zip(engine.device_cache, before):
         assert torch.equal(k[1], k0[3]) and torch.equal(v[1], v0[3])
         assert torch.equal(k[9], k0[7]) and torch.equal(v[9], v0[7])
         assert torch.equal(k[2], k0[2])  # untouched blocks stay
@@ -46,16 +46,16 @@ def test_swap_out_then_in_restores_the_bytes():
 
 def test_copy_on_write_copies_every_layer_and_apply_keeps_the_order():
     engine = _filled_engine()
-    before = [(k.clone(), v.clone()) for k, v in engine.gpu_cache]
+    before = [(k.clone(), v.clone()) for k, v in engine.device_cache]
     engine.copy([(2, 4), (6, 8)])
-    for (k, v), (k0, v0) in zip(engine.gpu_cache, before):
+    for (k, v), (k0, v0) in zip(engine.device_cache, before):
         assert torch.equal(k[4], k0[2]) and torch.equal(v[8], v0[6]) and torch.equal(k[2], k0[2])
     # Swap out block 1 before block 1 is overwritten by a swap in, then copy the swapped-in block.
     engine = _filled_engine()
-    before_gpu = [(k.clone(), v.clone()) for k, v in engine.gpu_cache]
+    before_gpu = [(k.clone(), v.clone()) for k, v in engine.device_cache]
     before_cpu = [(k.clone(), v.clone()) for k, v in engine.cpu_cache]
     engine.apply(SchedulerOutput(blocks_to_swap_out={1: 0}, blocks_to_swap_in={2: 1}, blocks_to_copy=[(1, 3)]))
-    for (k, _), (swapped_k, _), (gk, _), (ck, _) in zip(engine.gpu_cache, engine.cpu_cache, before_gpu, before_cpu):
+    for (k, _), (swapped_k, _), (gk, _), (ck, _) in zip(engine.device_cache, engine.cpu_cache, before_gpu, before_cpu):
         assert torch.equal(swapped_k[0], gk[1])  # block 1 left before it was overwritten
         assert torch.equal(k[1], ck[2]) and torch.equal(k[3], ck[2])  # swapped in, then copied
 

@@ -53,7 +53,7 @@ def test_split_decode_matches_one_forward(default_model_dir):
             for token, value in lp_a.items():
                 assert value == pytest.approx(lp_b[token], abs=1e-3)
     stats = llm.engine.get_stats()
-    assert stats.num_running == 0 and stats.gpu_cache_usage == 0.0  # every block back in the pool
+    assert stats.num_running == 0 and stats.device_cache_usage == 0.0  # every block back in the pool
 
 
 def test_small_batches_and_prefills_are_not_split(default_model_dir):

@@ -65,7 +65,7 @@ def leaked_blocks(server: ServerThread) -> dict[str, int]:
     """Device and swap blocks not in the pool, and block tables still held, read off the block manager."""
     bm = server.engine.engine.scheduler.block_manager
     return {
-        "gpu_blocks": bm.num_gpu_blocks - bm.get_num_free_gpu_blocks(),
+        "device_blocks": bm.num_device_blocks - bm.get_num_free_device_blocks(),
         "cpu_blocks": bm.num_cpu_blocks - bm.get_num_free_cpu_blocks(),
         "block_tables": len(bm.block_tables) + len(bm.cpu_block_tables),
     }

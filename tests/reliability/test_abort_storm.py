@@ -119,7 +119,7 @@ def test_abort_storm_frees_every_block(tiny_llama_dir):
     for mode in (Leave.BEFORE_FIRST_TOKEN, Leave.MID_STREAM, Leave.NON_STREAMED):
         assert left[mode.value] == planned[mode.value], (left, planned)
     assert left[Leave.WHILE_QUEUED.value] > 0, left
-    assert leaks == final_leaks == {"gpu_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
+    assert leaks == final_leaks == {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
     assert idle["num_requests_running"] == idle["num_requests_waiting"] == idle["num_requests_swapped"] == 0, idle
     assert idle["kv_cache_usage_perc"] == 0 and idle["cpu_cache_usage_perc"] == 0, idle
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5

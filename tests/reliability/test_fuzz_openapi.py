@@ -75,7 +75,7 @@ def test_fuzz_every_operation(server, schema, mode):
                                   "schemathesis": schemathesis.SCHEMATHESIS_VERSION,
                                   "blocks_leaked": sum(leaks.values())})
     assert not [k for k in statuses if k >= 500], statuses
-    assert leaks == {"gpu_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
+    assert leaks == {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
     assert httpx.get(server.base_url + "/health").status_code == 200
     if mode is GenerationMode.POSITIVE:
         assert statuses[200] > 20, statuses  # the fuzz reached the engine, not only the validators

@@ -122,7 +122,7 @@ def test_sigterm_stops_accepting_ends_in_flight_and_exits_0(long_context_llama, 
     })
     assert code == 0, text[-3000:]
     # --num-cpu-blocks-override sized the swap pool, --num-gpu-blocks-override the KV cache.
-    assert 'num_cpu_blocks="16"' in result["cache_config"] and 'num_gpu_blocks="1100"' in result["cache_config"]
+    assert 'num_cpu_blocks="16"' in result["cache_config"] and 'num_device_blocks="1100"' in result["cache_config"]
     for s in result["shorts"]:
         assert s["status"] == 200 and s["events"][-1] == "[DONE]" and s["usage"]["completion_tokens"] == 6, s
     assert result["refused"] is not None, "the server kept accepting after SIGTERM"

@@ -99,7 +99,7 @@ def test_48_requests_under_pressure_match_unpressured_run(tiny_llama_dir, bodies
         idle = gauges(server.base_url)
     by_mode = {mode: metric(text, "pagedserve:num_preemptions_by_mode_total", f'mode="{mode}"')
                for mode in ("recompute", "swap")}
-    record("memory_pressure", {"requests": len(bodies), "gpu_blocks": PRESSURED_BLOCKS,
+    record("memory_pressure", {"requests": len(bodies), "device_blocks": PRESSURED_BLOCKS,
                                "completed": sum(r["status"] == 200 and r["error"] is None for r in results),
                                "preemptions": by_mode, "blocks_leaked": sum(leaks.values())})
     assert [r["status"] for r in results] == [200] * len(bodies), [r["error"] for r in results if r["error"]]
@@ -109,7 +109,7 @@ def test_48_requests_under_pressure_match_unpressured_run(tiny_llama_dir, bodies
         assert res["texts"] == ref, f"request {i} ({ {k: v for k, v in bodies[i].items() if k != 'prompt'} })"
     assert by_mode["recompute"] > 0 and by_mode["swap"] > 0, by_mode
     assert metric(text, "pagedserve:num_preemptions_total") == by_mode["recompute"] + by_mode["swap"]
-    assert leaks == {"gpu_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
+    assert leaks == {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
     assert idle["kv_cache_usage_perc"] == 0 and idle["cpu_cache_usage_perc"] == 0 and idle["num_requests_running"] == 0
 
 
@@ -148,4 +148,4 @@ def test_swap_exhaustion_ends_only_the_affected_requests(tiny_llama_dir, bodies,
             assert res["tokens"] == expected_tokens(bodies[i])
     assert health == 200
     assert [r["status"] for r in again] == [200] * len(again)
-    assert after_leaks == final_leaks == {"gpu_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
+    assert after_leaks == final_leaks == {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}

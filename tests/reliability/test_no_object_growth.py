@@ -54,4 +54,4 @@ def test_object_count_flat_across_rounds(tiny_llama_dir):
     record("object_growth", {"requests": ROUNDS * PER_ROUND, "objects_per_round": counts, "growth_after_warmup": growth,
                              "blocks_leaked": sum(leaks.values())})
     assert growth <= TOLERANCE, counts  # a per-request leak would add >= 2 * PER_ROUND objects
-    assert leaks == {"gpu_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
+    assert leaks == {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}

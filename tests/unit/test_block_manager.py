@@ -36,21 +36,21 @@ def assert_ref_counts_match_tables(bm: BlockSpaceManager) -> None:
 
 
 def test_allocate_counts_blocks_and_free_returns_them():
-    bm = BlockSpaceManager(BS, num_gpu_blocks=10, num_cpu_blocks=4, watermark=0.0)
+    bm = BlockSpaceManager(BS, num_device_blocks=10, num_cpu_blocks=4, watermark=0.0)
     group = make_group("a", list(range(9)), seq_id=0)  # 9 tokens -> 3 blocks
     assert bm.can_allocate(group) is AllocStatus.OK
     bm.allocate(group)
     assert len(bm.get_block_table(group.seqs[0])) == 3
-    assert bm.get_num_free_gpu_blocks() == 7
-    assert bm.gpu_usage() == pytest.approx(0.3)
+    assert bm.get_num_free_device_blocks() == 7
+    assert bm.device_usage() == pytest.approx(0.3)
     bm.free(group.seqs[0])
     bm.free(group.seqs[0])  # twice is harmless
-    assert bm.get_num_free_gpu_blocks() == 10
+    assert bm.get_num_free_device_blocks() == 10
     assert_ref_counts_match_tables(bm)
 
 
 def test_can_allocate_watermark_later_and_never():
-    bm = BlockSpaceManager(BS, num_gpu_blocks=10, num_cpu_blocks=0, watermark=0.2)  # keeps 2 blocks free
+    bm = BlockSpaceManager(BS, num_device_blocks=10, num_cpu_blocks=0, watermark=0.2)  # keeps 2 blocks free
     assert bm.can_allocate(make_group("big", list(range(33)), 0)) is AllocStatus.NEVER  # 9 > 10 - 2
     assert bm.can_allocate(make_group("fits", list(range(32)), 1)) is AllocStatus.OK  # 8 == 10 - 2
     first = make_group("first", list(range(20)), 2)  # 5 blocks
@@ -60,7 +60,7 @@ def test_can_allocate_watermark_later_and_never():
 
 
 def test_allocate_with_watermark_exact_free_counts():
-    bm = BlockSpaceManager(BS, num_gpu_blocks=10, num_cpu_blocks=0, watermark=0.2)
+    bm = BlockSpaceManager(BS, num_device_blocks=10, num_cpu_blocks=0, watermark=0.2)
     assert bm.watermark_blocks == 2
     a = make_group("a", list(range(16)), 0)  # 4 blocks
     b = make_group("b", list(range(16)), 1)  # 4 more would leave 2 == watermark: still OK
@@ -68,10 +68,10 @@ def test_allocate_with_watermark_exact_free_counts():
     for group, free_after in ((a, 6), (b, 2)):
         assert bm.can_allocate(group) is AllocStatus.OK
         bm.allocate(group)
-        assert bm.get_num_free_gpu_blocks() == free_after
+        assert bm.get_num_free_device_blocks() == free_after
     assert bm.can_allocate(c) is AllocStatus.LATER
     bm.free(a.seqs[0])
-    assert bm.get_num_free_gpu_blocks() == 6 and bm.can_allocate(c) is AllocStatus.OK
+    assert bm.get_num_free_device_blocks() == 6 and bm.can_allocate(c) is AllocStatus.OK
     assert_ref_counts_match_tables(bm)
 
 
@@ -86,11 +86,11 @@ def test_append_slots_grows_one_block_at_the_boundary():
     assert bm.can_append_slots(group)
     assert bm.append_slots(seq) is None
     assert len(bm.get_block_table(seq)) == 2
-    assert bm.get_num_free_gpu_blocks() == 8
+    assert bm.get_num_free_device_blocks() == 8
     computed(bm, group)
     seq.append_token(6, {6: 0.0})
     assert bm.append_slots(seq) is None  # room left in block 2
-    assert bm.get_num_free_gpu_blocks() == 8
+    assert bm.get_num_free_device_blocks() == 8
 
 
 def test_fork_then_append_costs_exactly_one_block_with_a_copy():
@@ -103,20 +103,20 @@ def test_fork_then_append_costs_exactly_one_block_with_a_copy():
     child = parent.fork(1)
     group.add(child)
     bm.fork(parent, child)
-    assert bm.get_num_free_gpu_blocks() == 8  # sharing costs nothing
+    assert bm.get_num_free_device_blocks() == 8  # sharing costs nothing
     parent.append_token(7, {7: 0.0})
     child.append_token(8, {8: 0.0})
     shared_last = bm.get_block_table(parent)[-1]
     cow = bm.append_slots(parent)
     assert cow is not None and cow[0] == shared_last and cow[1] != shared_last
     assert bm.append_slots(child) is None  # the sibling now owns the old block alone
-    assert bm.get_num_free_gpu_blocks() == 7
+    assert bm.get_num_free_device_blocks() == 7
     assert bm.get_block_table(parent)[0] == bm.get_block_table(child)[0]  # the full first block stays shared
     assert bm.get_block_table(parent)[-1] == cow[1] and bm.get_block_table(child)[-1] == shared_last
     assert_ref_counts_match_tables(bm)
     for seq in group.seqs:
         bm.free(seq)
-    assert bm.get_num_free_gpu_blocks() == 10
+    assert bm.get_num_free_device_blocks() == 10
 
 
 def test_swap_out_and_in_move_free_counts_by_the_table_length():
@@ -131,7 +131,7 @@ def test_swap_out_and_in_move_free_counts_by_the_table_length():
     assert bm.can_swap_out(group)
     out_map = bm.swap_out(group)
     assert len(out_map) == 3  # shared blocks move once
-    assert bm.get_num_free_gpu_blocks() == 10 and bm.get_num_free_cpu_blocks() == 3
+    assert bm.get_num_free_device_blocks() == 10 and bm.get_num_free_cpu_blocks() == 3
     assert bm.cpu_usage() == pytest.approx(0.5)
     for seq in group.seqs:
         seq.status = SequenceStatus.SWAPPED
@@ -139,7 +139,7 @@ def test_swap_out_and_in_move_free_counts_by_the_table_length():
     assert bm.can_swap_in(group) is AllocStatus.OK
     in_map = bm.swap_in(group)
     assert sorted(in_map) == sorted(out_map.values())
-    assert bm.get_num_free_gpu_blocks() == 7 and bm.get_num_free_cpu_blocks() == 6
+    assert bm.get_num_free_device_blocks() == 7 and bm.get_num_free_cpu_blocks() == 6
     assert bm.get_block_table(group.seqs[0]) == bm.get_block_table(child)
     assert_ref_counts_match_tables(bm)
 
@@ -176,8 +176,8 @@ def test_swap_limits():
     assert bm2.can_swap_in(group) is AllocStatus.NEVER  # 4 blocks + 1 to append > 4
 
 
-def prefix_manager(num_gpu_blocks: int = 8) -> BlockSpaceManager:
-    return BlockSpaceManager(BS, num_gpu_blocks, 0, watermark=0.0, enable_prefix_caching=True)
+def prefix_manager(num_device_blocks: int = 8) -> BlockSpaceManager:
+    return BlockSpaceManager(BS, num_device_blocks, 0, watermark=0.0, enable_prefix_caching=True)
 
 
 def test_prefix_cache_reuses_computed_full_blocks_only():
@@ -230,7 +230,7 @@ def test_prefix_cache_leaves_one_token_to_compute():
 
 
 def test_freed_cached_blocks_are_revived_then_evicted_lru():
-    bm = prefix_manager(num_gpu_blocks=4)
+    bm = prefix_manager(num_device_blocks=4)
     old = make_group("old", [1, 1, 1, 1, 9], 0)  # 2 blocks: [1111] cached + partial
     new = make_group("new", [2, 2, 2, 2, 9], 1)
     for group in (old, new):
@@ -238,18 +238,18 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru():
         run(group)
         computed(bm, group)
         bm.free(group.seqs[0])
-    assert bm.get_num_free_gpu_blocks() == 4  # cached blocks count as free
+    assert bm.get_num_free_device_blocks() == 4  # cached blocks count as free
     assert bm.gpu.num_cached() == 2
     # Reviving a cached block takes it out of the evictor: it is no longer free.
     again = make_group("again", [2, 2, 2, 2, 7], 2)
     assert bm.can_allocate(again) is AllocStatus.OK
     bm.allocate(again)
     assert again.seqs[0].num_computed_tokens == 4
-    assert bm.get_num_free_gpu_blocks() == 2
+    assert bm.get_num_free_device_blocks() == 2
     # Two fresh blocks: the uncached free block goes first, then the least recently freed cached one ([1111]).
     fresh = make_group("fresh", [5, 6, 7, 8, 9], 3)
     bm.allocate(fresh)
-    assert bm.get_num_free_gpu_blocks() == 0
+    assert bm.get_num_free_device_blocks() == 0
     assert bm.gpu.num_cached() == 1
     probe = make_group("probe", [1, 1, 1, 1, 9], 4)
     assert bm.can_allocate(probe) is AllocStatus.LATER
@@ -260,7 +260,7 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru():
 
 
 def test_can_allocate_counts_revived_blocks_once():
-    bm = prefix_manager(num_gpu_blocks=3)
+    bm = prefix_manager(num_device_blocks=3)
     a = make_group("a", [1, 2, 3, 4, 5], 0)
     bm.allocate(a)
     run(a)
@@ -272,7 +272,7 @@ def test_can_allocate_counts_revived_blocks_once():
     group = SequenceGroup("g", seqs, SamplingParams(n=2, temperature=1.0))
     assert bm.can_allocate(group) is AllocStatus.OK
     bm.allocate(group)
-    assert bm.get_num_free_gpu_blocks() == 0
+    assert bm.get_num_free_device_blocks() == 0
     assert bm.get_block_table(seqs[0])[0] == bm.get_block_table(seqs[1])[0]
     assert_ref_counts_match_tables(bm)
 
@@ -293,7 +293,7 @@ def test_prompt_logprobs_requests_compute_the_whole_prompt():
 
 def test_lru_eviction_ties_evict_the_block_with_more_tokens_first():
     """Blocks freed together tie on recency: the chain's tail (more tokens) goes first, its shared head stays."""
-    bm = prefix_manager(num_gpu_blocks=5)
+    bm = prefix_manager(num_device_blocks=5)
     prompt = list(range(13))  # 3 full blocks (4, 8, 12 tokens of prefix) + 1 partial
     a = make_group("a", prompt, 0)
     bm.allocate(a)
@@ -301,12 +301,12 @@ def test_lru_eviction_ties_evict_the_block_with_more_tokens_first():
     computed(bm, a)
     head, middle, tail = bm.get_block_table(a.seqs[0])[:3]
     bm.free(a.seqs[0])
-    assert bm.get_num_free_gpu_blocks() == 5 and bm.gpu.num_cached() == 3
+    assert bm.get_num_free_device_blocks() == 5 and bm.gpu.num_cached() == 3
     # 3 fresh blocks: the 2 uncached free ones, then one eviction, which must take the 12-token tail.
     other = make_group("other", [50 + i for i in range(12)], 1)
     bm.allocate(other)
     assert tail in bm.get_block_table(other.seqs[0])
-    assert bm.gpu.num_cached() == 2 and bm.get_num_free_gpu_blocks() == 2
+    assert bm.gpu.num_cached() == 2 and bm.get_num_free_device_blocks() == 2
     probe = make_group("probe", prompt, 2)
     assert bm.can_allocate(probe) is AllocStatus.LATER  # 4 blocks, 2 revived from cache + 2 fresh > 2 free
     bm.free(other.seqs[0])

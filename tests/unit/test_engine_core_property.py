@@ -40,17 +40,17 @@ def check_pool(alloc: BlockAllocator, tables: dict[int, list[int]]) -> None:
 class EngineCoreMachine(RuleBasedStateMachine):
     """The scheduler and its block manager, driven the way the engine drives them."""
 
-    @initialize(num_gpu_blocks=st.integers(4, 14), num_cpu_blocks=st.integers(0, 16),
+    @initialize(num_device_blocks=st.integers(4, 14), num_cpu_blocks=st.integers(0, 16),
                 mode=st.sampled_from([None, "recompute", "swap"]), caching=st.booleans(),
                 policy=st.sampled_from(["fcfs", "priority"]), watermark=st.sampled_from([0.0, 0.1]),
                 budget=st.sampled_from([None, 6, 16]))
-    def setup(self, num_gpu_blocks, num_cpu_blocks, mode, caching, policy, watermark, budget):
+    def setup(self, num_device_blocks, num_cpu_blocks, mode, caching, policy, watermark, budget):
         # budget: None, whole prompts in prefill-only steps; else chunked prefill with that token budget.
         config = EngineConfig(block_size=BS, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget or 64,
                               max_num_seqs=6, watermark=watermark, preemption_mode=mode, enable_prefix_caching=caching,
                               scheduling_policy=policy, enable_chunked_prefill=budget is not None)
         config.resolve(MAX_MODEL_LEN)
-        self.sched = Scheduler(config, num_gpu_blocks, num_cpu_blocks)
+        self.sched = Scheduler(config, num_device_blocks, num_cpu_blocks)
         self.groups: list[SequenceGroup] = []
         self.next_seq_id = 0
         self.last_out: Optional[SchedulerOutput] = None
@@ -183,7 +183,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
     def check_all_free(self):
         bm = self.sched.block_manager
         assert not self.sched.has_unfinished_seqs()
-        assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+        assert bm.get_num_free_device_blocks() == bm.num_device_blocks
         assert bm.get_num_free_cpu_blocks() == bm.num_cpu_blocks
         assert not bm.block_tables and not bm.cpu_block_tables
 

@@ -60,7 +60,7 @@ class Harness:
         return outputs
 
     def all_blocks_free(self):
-        return self.scheduler.block_manager.get_num_free_gpu_blocks() == NUM_BLOCKS
+        return self.scheduler.block_manager.get_num_free_device_blocks() == NUM_BLOCKS
 
 
 def test_stop_string_truncates_and_streams_only_a_prefix(tokenizer):

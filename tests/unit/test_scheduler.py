@@ -13,12 +13,12 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 BS = 8
 
 
-def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 16, **overrides) -> Scheduler:
+def make_scheduler(num_device_blocks: int, num_cpu_blocks: int = 16, **overrides) -> Scheduler:
     fields = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=128, max_num_seqs=8, watermark=0.0)
     fields.update(overrides)
     config = EngineConfig(**fields)
     config.resolve(64)
-    return Scheduler(config, num_gpu_blocks, num_cpu_blocks)
+    return Scheduler(config, num_device_blocks, num_cpu_blocks)
 
 
 _next_seq_id = [0]
@@ -65,7 +65,7 @@ def ids(queue) -> list[str]:
 
 
 def test_prefill_then_decode():
-    sched = make_scheduler(num_gpu_blocks=16)
+    sched = make_scheduler(num_device_blocks=16)
     sched.add_seq_group(make_group("a", 10))
     sched.add_seq_group(make_group("b", 5))
     out = sched.schedule()
@@ -79,7 +79,7 @@ def test_prefill_then_decode():
 
 
 def test_token_budget_and_max_num_seqs():
-    sched = make_scheduler(num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=3)
+    sched = make_scheduler(num_device_blocks=64, max_num_batched_tokens=64, max_num_seqs=3)
     for name in "abcd":
         sched.add_seq_group(make_group(name, 30))
     out = sched.schedule()
@@ -94,14 +94,14 @@ def test_token_budget_and_max_num_seqs():
 
 
 def test_best_of_counts_against_max_num_seqs():
-    sched = make_scheduler(num_gpu_blocks=64, max_num_seqs=4)
+    sched = make_scheduler(num_device_blocks=64, max_num_seqs=4)
     sched.add_seq_group(make_group("a", 4, best_of=3))
     sched.add_seq_group(make_group("b", 4, best_of=2))
     assert ids(s.group for s in sched.schedule().scheduled) == ["a"]
 
 
 def test_too_long_prompt_is_ignored_not_queued():
-    sched = make_scheduler(num_gpu_blocks=16)
+    sched = make_scheduler(num_device_blocks=16)
     sched.add_seq_group(make_group("long", 65))
     sched.add_seq_group(make_group("ok", 4))
     out = sched.schedule()
@@ -111,20 +111,20 @@ def test_too_long_prompt_is_ignored_not_queued():
     assert ids(s.group for s in out.scheduled) == ["ok"]
     assert sched.get_num_unfinished_seq_groups() == 1
     assert ids(sched.waiting) == [] and ids(sched.running) == ["ok"]
-    assert sched.block_manager.get_num_free_gpu_blocks() == 15  # only "ok" holds a block
+    assert sched.block_manager.get_num_free_device_blocks() == 15  # only "ok" holds a block
 
 
 def test_prompt_that_never_fits_the_cache_ends_with_an_error():
-    sched = make_scheduler(num_gpu_blocks=4)  # 32 tokens of cache, max_model_len 64
+    sched = make_scheduler(num_device_blocks=4)  # 32 tokens of cache, max_model_len 64
     sched.add_seq_group(make_group("huge", 40))
     out = sched.schedule()
     assert ids(out.ignored) == ["huge"] and not sched.has_unfinished_seqs()
     assert "5 KV cache blocks" in out.ignored[0].error
-    assert sched.block_manager.get_num_free_gpu_blocks() == 4
+    assert sched.block_manager.get_num_free_device_blocks() == 4
 
 
 def test_can_allocate_later_keeps_waiting():
-    sched = make_scheduler(num_gpu_blocks=4)
+    sched = make_scheduler(num_device_blocks=4)
     sched.add_seq_group(make_group("a", 24))  # 3 blocks
     sched.add_seq_group(make_group("b", 16))  # 2 blocks: later
     out = sched.schedule()
@@ -135,7 +135,7 @@ def test_can_allocate_later_keeps_waiting():
 
 
 def test_recompute_preemption_frees_blocks_and_requeues_at_the_front():
-    sched = make_scheduler(num_gpu_blocks=4)
+    sched = make_scheduler(num_device_blocks=4)
     a, b = make_group("a", 16, arrival=1.0), make_group("b", 16, arrival=2.0)
     sched.add_seq_group(a)
     sched.add_seq_group(b)
@@ -150,7 +150,7 @@ def test_recompute_preemption_frees_blocks_and_requeues_at_the_front():
     assert ids(sched.waiting) == ["b", "c"]
     seq_b = b.seqs[0]
     assert seq_b.status is SequenceStatus.WAITING and seq_b.num_computed_tokens == 0 and seq_b.get_len() == 17
-    assert sched.block_manager.get_num_free_gpu_blocks() == 1
+    assert sched.block_manager.get_num_free_device_blocks() == 1
     # Once a finishes, b is prefilled again over its prompt and its output.
     finish_step(sched, out)
     a.seqs[0].status = SequenceStatus.FINISHED_LENGTH_CAPPED
@@ -161,9 +161,9 @@ def test_recompute_preemption_frees_blocks_and_requeues_at_the_front():
 
 
 def test_best_of_two_is_preempted_by_swap_and_swapped_come_before_new_prefills():
-    sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8)
+    sched = make_scheduler(num_device_blocks=5, num_cpu_blocks=8)
     a, b = a_and_forked_b(sched)
-    assert sched.block_manager.get_num_free_gpu_blocks() == 1
+    assert sched.block_manager.get_num_free_device_blocks() == 1
     out = sched.schedule()  # a needs a block; b needs two (one copy-on-write): b goes out
     assert out.num_preempted_swap == 1 and len(out.blocks_to_swap_out) == 2
     assert ids(sched.swapped) == ["b"] and all(s.status is SequenceStatus.SWAPPED for s in b.seqs)
@@ -184,18 +184,18 @@ def test_best_of_two_is_preempted_by_swap_and_swapped_come_before_new_prefills()
 
 
 def test_out_of_swap_space_ends_only_that_request():
-    sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=1)
+    sched = make_scheduler(num_device_blocks=5, num_cpu_blocks=1)
     a, b = a_and_forked_b(sched)
     out = sched.schedule()
     assert ids(out.ignored) == ["b"] and all(s.status is SequenceStatus.FINISHED_ERROR for s in b.seqs)
     assert "swap space" in b.error and "--swap-space" in b.error
     assert ids(s.group for s in out.scheduled) == ["a"] and not out.blocks_to_swap_out
-    assert sched.block_manager.get_num_free_gpu_blocks() == 2  # b's blocks came back
+    assert sched.block_manager.get_num_free_device_blocks() == 2  # b's blocks came back
     assert ids(sched.running) == ["a"] and not sched.swapped
 
 
 def test_infeasible_swap_in_ends_the_request():
-    sched = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, preemption_mode="swap")
+    sched = make_scheduler(num_device_blocks=4, num_cpu_blocks=8, preemption_mode="swap")
     a = make_group("a", 32)  # fills the cache
     sched.add_seq_group(a)
     finish_step(sched, sched.schedule())
@@ -209,7 +209,7 @@ def test_infeasible_swap_in_ends_the_request():
 
 @pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
 def test_abort_in_each_queue_frees_every_block(where):
-    sched = make_scheduler(num_gpu_blocks=5, num_cpu_blocks=8)
+    sched = make_scheduler(num_device_blocks=5, num_cpu_blocks=8)
     a, b = a_and_forked_b(sched, run_first_step=where != "waiting")
     if where == "swapped":
         sched.schedule()
@@ -219,13 +219,13 @@ def test_abort_in_each_queue_frees_every_block(where):
     assert "b" not in ids(sched.waiting) + ids(sched.running) + ids(sched.swapped)
     assert sched.block_manager.get_num_free_cpu_blocks() == 8
     a_blocks = len(sched.block_manager.block_tables.get(a.seqs[0].seq_id, []))
-    assert sched.block_manager.get_num_free_gpu_blocks() == 5 - a_blocks
+    assert sched.block_manager.get_num_free_device_blocks() == 5 - a_blocks
     sched.abort_seq_group(["a", "unknown"])
-    assert not sched.has_unfinished_seqs() and sched.block_manager.get_num_free_gpu_blocks() == 5
+    assert not sched.has_unfinished_seqs() and sched.block_manager.get_num_free_device_blocks() == 5
 
 
 def test_preempt_then_abort():
-    sched = make_scheduler(num_gpu_blocks=4)
+    sched = make_scheduler(num_device_blocks=4)
     a, b = make_group("a", 16, arrival=1.0), make_group("b", 16, arrival=2.0)
     sched.add_seq_group(a)
     sched.add_seq_group(b)
@@ -234,11 +234,11 @@ def test_preempt_then_abort():
     assert ids(sched.waiting) == ["b"]
     sched.abort_seq_group("b")
     assert ids(sched.waiting) == [] and b.seqs[0].status is SequenceStatus.FINISHED_ABORTED
-    assert sched.block_manager.get_num_free_gpu_blocks() == 1
+    assert sched.block_manager.get_num_free_device_blocks() == 1
 
 
 def test_priority_policy_runs_lower_values_first():
-    sched = make_scheduler(num_gpu_blocks=4, scheduling_policy=SchedulingPolicy.PRIORITY)
+    sched = make_scheduler(num_device_blocks=4, scheduling_policy=SchedulingPolicy.PRIORITY)
     sched.add_seq_group(make_group("low", 24, arrival=1.0, priority=5))
     sched.add_seq_group(make_group("high", 24, arrival=2.0, priority=0))
     assert ids(s.group for s in sched.schedule().scheduled) == ["high"]
@@ -250,7 +250,7 @@ def test_config_must_be_resolved():
 
 
 def test_preemption_mode_recompute_applies_to_groups_of_several():
-    sched = make_scheduler(num_gpu_blocks=5, preemption_mode=PreemptionMode.RECOMPUTE)
+    sched = make_scheduler(num_device_blocks=5, preemption_mode=PreemptionMode.RECOMPUTE)
     a, b = a_and_forked_b(sched)
     out = sched.schedule()
     assert out.num_preempted_recompute == 1 and not out.blocks_to_swap_out
@@ -258,7 +258,7 @@ def test_preemption_mode_recompute_applies_to_groups_of_several():
 
 
 def test_groups_swapped_out_in_one_step_come_back_in_arrival_order():
-    sched = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8)
+    sched = make_scheduler(num_device_blocks=4, num_cpu_blocks=8)
     groups = [make_group("a", 16, arrival=1.0), make_group("b", 4, best_of=2, arrival=2.0),
               make_group("c", 4, best_of=2, arrival=3.0)]
     for group in groups:
@@ -278,7 +278,7 @@ def test_groups_swapped_out_in_one_step_come_back_in_arrival_order():
 
 
 def test_priority_policy_preempts_lower_priority_running_groups():
-    sched = make_scheduler(num_gpu_blocks=4, scheduling_policy="priority")
+    sched = make_scheduler(num_device_blocks=4, scheduling_policy="priority")
     low_old, low_new = make_group("low-old", 16, arrival=1.0, priority=2), make_group("low-new", 16, arrival=2.0, priority=1)
     sched.add_seq_group(low_old)
     sched.add_seq_group(low_new)
@@ -289,7 +289,7 @@ def test_priority_policy_preempts_lower_priority_running_groups():
     # The lowest priority goes first (low-old, priority 2), not the latest arrival.
     assert out.num_preempted_recompute == 1 and ids(s.group for s in out.scheduled) == ["urgent"]
     assert ids(sched.running) == ["low-new", "urgent"] and ids(sched.waiting) == ["low-old", "later"]
-    assert low_old.seqs[0].num_computed_tokens == 0 and sched.block_manager.get_num_free_gpu_blocks() == 0
+    assert low_old.seqs[0].num_computed_tokens == 0 and sched.block_manager.get_num_free_device_blocks() == 0
 
 
 def test_engine_core_never_imports_torch():
@@ -305,7 +305,7 @@ def test_watermark_blocks_admission_matches_the_startup_helper():
     """max_admissible_tokens() is what can_allocate admits in an empty cache: the startup check's bound."""
     from engine.block_manager import max_admissible_tokens, watermark_blocks
 
-    sched = make_scheduler(num_gpu_blocks=8, watermark=0.25, max_model_len=64)  # 2 watermark blocks: 48 tokens
+    sched = make_scheduler(num_device_blocks=8, watermark=0.25, max_model_len=64)  # 2 watermark blocks: 48 tokens
     assert watermark_blocks(8, 0.25) == 2 and max_admissible_tokens(BS, 8, 0.25) == 48
     sched.add_seq_group(make_group("fits", 48))
     sched.add_seq_group(make_group("over", 49))
@@ -315,15 +315,15 @@ def test_watermark_blocks_admission_matches_the_startup_helper():
     assert ids(out.ignored) == ["over"] and "7 KV cache blocks" in out.ignored[0].error
     assert out.ignored[0].seqs[0].status is SequenceStatus.FINISHED_IGNORED
     assert ids(sched.waiting) == [] and ids(sched.running) == ["fits"]
-    assert sched.block_manager.get_num_free_gpu_blocks() == 2
+    assert sched.block_manager.get_num_free_device_blocks() == 2
     sched.abort_seq_group("fits")
-    assert not sched.has_unfinished_seqs() and sched.block_manager.get_num_free_gpu_blocks() == 8
+    assert not sched.has_unfinished_seqs() and sched.block_manager.get_num_free_device_blocks() == 8
 
 
 # -- chunked prefill ---------------------------------------------------------------------------------------------
 
-def make_chunked(num_gpu_blocks: int = 32, budget: int = 16, **overrides) -> Scheduler:
-    return make_scheduler(num_gpu_blocks, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+def make_chunked(num_device_blocks: int = 32, budget: int = 16, **overrides) -> Scheduler:
+    return make_scheduler(num_device_blocks, enable_chunked_prefill=True, max_num_batched_tokens=budget,
                           max_num_seqs=4, **overrides)
 
 
@@ -384,7 +384,7 @@ def test_chunked_prompt_limit_is_max_model_len():
 
 
 def test_prompt_preempted_between_chunks_starts_over():
-    sched = make_chunked(num_gpu_blocks=6, budget=8)
+    sched = make_chunked(num_device_blocks=6, budget=8)
     a, b = make_group("a", 6, arrival=1.0), make_group("b", 40, arrival=2.0)  # 1 block, 5 blocks
     sched.add_seq_group(a)
     sched.add_seq_group(b)
@@ -400,11 +400,11 @@ def test_prompt_preempted_between_chunks_starts_over():
     assert out.num_preempted_recompute == 1 and ids(sched.waiting) == ["b"]
     assert b.seqs[0].num_computed_tokens == 0 and b.seqs[0].status is SequenceStatus.WAITING
     assert step_summary(out) == [("a", False, 1, True)]  # nothing new starts in a step that preempted
-    assert sched.block_manager.get_num_free_gpu_blocks() == 4
+    assert sched.block_manager.get_num_free_device_blocks() == 4
 
 
 def test_chunked_priority_preempts_before_any_decode_is_scheduled():
-    sched = make_chunked(num_gpu_blocks=4, budget=16, scheduling_policy="priority")
+    sched = make_chunked(num_device_blocks=4, budget=16, scheduling_policy="priority")
     low = make_group("low", 16, arrival=1.0, priority=2)
     sched.add_seq_group(low)
     finish_chunked_step(sched, sched.schedule())
@@ -415,7 +415,7 @@ def test_chunked_priority_preempts_before_any_decode_is_scheduled():
 
 
 def test_without_chunking_a_prompt_over_the_budget_is_refused():
-    sched = make_scheduler(num_gpu_blocks=32, max_model_len=64, max_num_batched_tokens=64)
+    sched = make_scheduler(num_device_blocks=32, max_model_len=64, max_num_batched_tokens=64)
     sched.add_seq_group(make_group("a", 40))
     assert step_summary(sched.schedule()) == [("a", True, 40, True)]
     with pytest.raises(ValueError, match="enable-chunked-prefill"):

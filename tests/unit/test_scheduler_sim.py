@@ -41,15 +41,15 @@ def next_token(read_last: int, sample_index: int) -> int:
 class FingerprintCache:
     """Stands in for the K/V tensors of the device cache and the host swap pool."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.gpu: list[list[Optional[int]]] = [[None] * BS for _ in range(num_gpu_blocks)]
+    def __init__(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        self.gpu: list[list[Optional[int]]] = [[None] * BS for _ in range(num_device_blocks)]
         self.cpu: list[list[Optional[int]]] = [[None] * BS for _ in range(num_cpu_blocks)]
 
     def apply(self, out: SchedulerOutput) -> None:
-        for gpu_block, cpu_block in out.blocks_to_swap_out.items():
-            self.cpu[cpu_block] = list(self.gpu[gpu_block])
-        for cpu_block, gpu_block in out.blocks_to_swap_in.items():
-            self.gpu[gpu_block] = list(self.cpu[cpu_block])
+        for device_block, cpu_block in out.blocks_to_swap_out.items():
+            self.cpu[cpu_block] = list(self.gpu[device_block])
+        for cpu_block, device_block in out.blocks_to_swap_in.items():
+            self.gpu[device_block] = list(self.cpu[cpu_block])
         for src, dst in out.blocks_to_copy:
             self.gpu[dst] = list(self.gpu[src])
 
@@ -81,15 +81,15 @@ def check_ref_counts(sched: Scheduler) -> None:
         assert alloc.num_free() == alloc.num_blocks - len(uses)
 
 
-def simulate(requests: list[Request], num_gpu_blocks: int, num_cpu_blocks: int = 64, abort_at: Optional[dict] = None,
+def simulate(requests: list[Request], num_device_blocks: int, num_cpu_blocks: int = 64, abort_at: Optional[dict] = None,
              **overrides) -> tuple[dict[str, object], Counter]:
     """Run to completion; returns request_id -> sorted output token tuples (or the error), and event counts."""
     fields = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8, watermark=0.0)
     fields.update(overrides)
     config = EngineConfig(**fields)
     config.resolve(64)
-    sched = Scheduler(config, num_gpu_blocks, num_cpu_blocks)
-    cache = FingerprintCache(num_gpu_blocks, num_cpu_blocks)
+    sched = Scheduler(config, num_device_blocks, num_cpu_blocks)
+    cache = FingerprintCache(num_device_blocks, num_cpu_blocks)
     seq_ids = iter(range(10**6))
     groups = []
     for i, req in enumerate(requests):
@@ -126,7 +126,7 @@ def simulate(requests: list[Request], num_gpu_blocks: int, num_cpu_blocks: int =
     else:
         raise AssertionError("the scheduler never finished the workload")
     bm = sched.block_manager
-    assert bm.get_num_free_gpu_blocks() == num_gpu_blocks and bm.get_num_free_cpu_blocks() == num_cpu_blocks
+    assert bm.get_num_free_device_blocks() == num_device_blocks and bm.get_num_free_cpu_blocks() == num_cpu_blocks
     assert not bm.block_tables and not bm.cpu_block_tables
     results = {}
     for group in groups:
@@ -170,31 +170,31 @@ WORKLOAD = [
 
 
 def test_outputs_do_not_depend_on_cache_size_preemption_or_prefix_caching():
-    reference, events = simulate(WORKLOAD, num_gpu_blocks=200)
+    reference, events = simulate(WORKLOAD, num_device_blocks=200)
     assert events["recompute"] == events["swap"] == 0
     assert all(isinstance(r, list) for r in reference.values())
     preempted = Counter()
     for mode in (None, "recompute", "swap"):
         for caching in (False, True):
-            results, events = simulate(WORKLOAD, num_gpu_blocks=12, preemption_mode=mode, enable_prefix_caching=caching)
+            results, events = simulate(WORKLOAD, num_device_blocks=12, preemption_mode=mode, enable_prefix_caching=caching)
             assert results == reference, (mode, caching)
             preempted[mode] += events["recompute"] + events["swap"]
     assert all(preempted[mode] > 0 for mode in (None, "recompute", "swap"))
-    results, _ = simulate(WORKLOAD, num_gpu_blocks=200, enable_prefix_caching=True)
+    results, _ = simulate(WORKLOAD, num_device_blocks=200, enable_prefix_caching=True)
     assert results == reference
 
 
 def test_prefix_caching_reduces_computed_tokens():
-    plain, plain_events = simulate(WORKLOAD, num_gpu_blocks=200)
-    cached, cached_events = simulate(WORKLOAD, num_gpu_blocks=200, enable_prefix_caching=True)
+    plain, plain_events = simulate(WORKLOAD, num_device_blocks=200)
+    cached, cached_events = simulate(WORKLOAD, num_device_blocks=200, enable_prefix_caching=True)
     assert cached == plain
     # r0..r3 fill the first 64-token prefill batch; r4 and r6 then find SHARED's two full blocks cached.
     assert cached_events["batched_tokens"] <= plain_events["batched_tokens"] - 2 * 2 * BS
 
 
 def test_aborts_mid_run_free_everything_and_spare_the_rest():
-    reference, _ = simulate(WORKLOAD, num_gpu_blocks=200)
-    results, events = simulate(WORKLOAD, num_gpu_blocks=12, num_cpu_blocks=64, abort_at={2: ["r1", "r6"], 5: ["r7"]})
+    reference, _ = simulate(WORKLOAD, num_device_blocks=200)
+    results, events = simulate(WORKLOAD, num_device_blocks=12, num_cpu_blocks=64, abort_at={2: ["r1", "r6"], 5: ["r7"]})
     assert events["aborted"] == 3
     assert results["r1"] == results["r6"] == results["r7"] == "aborted"
     assert {k: v for k, v in results.items() if v != "aborted"} == {
@@ -202,8 +202,8 @@ def test_aborts_mid_run_free_everything_and_spare_the_rest():
 
 
 def test_small_swap_space_ends_only_the_groups_that_do_not_fit():
-    reference, _ = simulate(WORKLOAD, num_gpu_blocks=200)
-    results, _ = simulate(WORKLOAD, num_gpu_blocks=12, num_cpu_blocks=2)
+    reference, _ = simulate(WORKLOAD, num_device_blocks=200)
+    results, _ = simulate(WORKLOAD, num_device_blocks=12, num_cpu_blocks=2)
     errors = {k: v for k, v in results.items() if isinstance(v, str)}
     assert errors and all("--swap-space" in v for v in errors.values())
     assert all(results[k] == reference[k] for k in results if k not in errors)
@@ -216,13 +216,13 @@ requests_strategy = st.lists(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=requests_strategy, num_gpu_blocks=st.integers(4, 16), num_cpu_blocks=st.integers(0, 24),
+@given(requests=requests_strategy, num_device_blocks=st.integers(4, 16), num_cpu_blocks=st.integers(0, 24),
        mode=st.sampled_from([None, "recompute", "swap"]), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_workloads_match_the_unpreempted_run_or_fail_cleanly(requests, num_gpu_blocks, num_cpu_blocks, mode,
+def test_random_workloads_match_the_unpreempted_run_or_fail_cleanly(requests, num_device_blocks, num_cpu_blocks, mode,
                                                                       caching, policy):
-    reference, _ = simulate(requests, num_gpu_blocks=400)
-    results, _ = simulate(requests, num_gpu_blocks, num_cpu_blocks, preemption_mode=mode,
+    reference, _ = simulate(requests, num_device_blocks=400)
+    results, _ = simulate(requests, num_device_blocks, num_cpu_blocks, preemption_mode=mode,
                           enable_prefix_caching=caching, scheduling_policy=policy)
     for request_id, result in results.items():
         # A request either produces exactly the unpreempted output or ends with an error naming its cause.
@@ -235,19 +235,19 @@ def test_prefix_block_shared_by_two_groups_swapped_out_in_one_step():
     A {gpu: cpu} mapping holds one destination per block, so the second group must reuse the first's cpu copy.
     """
     requests = [Request((0,), 1, 2), Request((0, 0, 0, 0, 0, 2, 0, 0, 0), 2, 2), Request((0, 0, 0, 0, 0, 2, 0, 0, 0), 2, 2)]
-    reference, _ = simulate(requests, num_gpu_blocks=400)
-    results, events = simulate(requests, num_gpu_blocks=4, num_cpu_blocks=4, enable_prefix_caching=True)
+    reference, _ = simulate(requests, num_device_blocks=400)
+    results, events = simulate(requests, num_device_blocks=4, num_cpu_blocks=4, enable_prefix_caching=True)
     assert events["swap"] == 2 and results == reference
 
 
 def test_chunked_prefill_keeps_the_outputs():
     """Chunks of 8 or 16 tokens mixed with decodes: the same outputs under any cache size, mode or caching."""
-    reference, _ = simulate(WORKLOAD, num_gpu_blocks=200)
+    reference, _ = simulate(WORKLOAD, num_device_blocks=200)
     for budget in (8, 16):
         for mode in (None, "recompute", "swap"):
             for caching in (False, True):
                 for blocks in (200, 12):
-                    results, events = simulate(WORKLOAD, num_gpu_blocks=blocks, enable_chunked_prefill=True,
+                    results, events = simulate(WORKLOAD, num_device_blocks=blocks, enable_chunked_prefill=True,
                                                max_num_batched_tokens=budget, preemption_mode=mode,
                                                enable_prefix_caching=caching)
                     assert results == reference, (budget, mode, caching, blocks)
