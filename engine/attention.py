@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from engine import ops
+from engine import ops, ref_ops
 
 try:  # CUDA prefill; not installed on CPU machines.
     from xformers import ops as xops
@@ -106,8 +106,8 @@ class Attention(torch.nn.Module):
         else:
             # The prefix cache already holds the first tokens: read the whole context back from the blocks
             # (this step's K/V were just written there too) and offset the causal mask by num_cached.
-            k = ops.gather_context(kv_cache[0], span.block_table, span.context_len)  # [num_kv_heads, ctx, head_size]
-            v = ops.gather_context(kv_cache[1], span.block_table, span.context_len)
+            k = ref_ops.gather_context(kv_cache[0], span.block_table, span.context_len)  # [num_kv_heads, ctx, head_size]
+            v = ref_ops.gather_context(kv_cache[1], span.block_table, span.context_len)
             q_len = span.end - span.start
             mask = torch.ones(q_len, span.context_len, dtype=torch.bool, device=q.device).tril(span.num_cached)
         groups = self.num_heads // self.num_kv_heads

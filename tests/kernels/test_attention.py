@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import ops
+from engine import ops, ref_ops
 from tests.kernels.conftest import DEVICES, random_block_tables, tolerances, torch_threads
 
 CONTEXT_LENS = [1, 17, 100, 33]  # 1 token, crossing block edges, several blocks
@@ -28,7 +28,7 @@ def run_both(query, key_cache, value_cache, tables, lens):
     out = torch.full_like(query, float("nan"))  # every row must be written
     ref = torch.empty_like(query)
     ops.paged_attention(out, query, key_cache, value_cache, tables, lens, scale)
-    ops.ref_paged_attention(ref, query, key_cache, value_cache, tables, lens, scale)
+    ref_ops.ref_paged_attention(ref, query, key_cache, value_cache, tables, lens, scale)
     return out, ref
 
 
@@ -109,7 +109,7 @@ def test_reference_equals_sdpa_over_contiguous_cache(group):
     """The oracle itself: gathering the paged cache and running SDPA gives the same answer."""
     query, key_cache, value_cache, tables, lens = make_case(2, group, 64, 8, [13, 40], torch.float32, "cpu", seed=2)
     ref = torch.empty_like(query)
-    ops.ref_paged_attention(ref, query, key_cache, value_cache, tables, lens, 64 ** -0.5)
+    ref_ops.ref_paged_attention(ref, query, key_cache, value_cache, tables, lens, 64 ** -0.5)
     for i, n in enumerate(lens.tolist()):
         blocks = tables[i].long()
         k = key_cache[blocks].transpose(0, 1).reshape(2, -1, 64)[:, :n]  # [kv_heads, n, head_size]

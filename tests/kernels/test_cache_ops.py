@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ops
+from engine import ops, ref_ops
 from tests.kernels.conftest import DEVICES
 
 NUM_KV_HEADS, HEAD_SIZE = 2, 64
@@ -32,7 +32,7 @@ def test_reshape_and_cache_matches_reference(device, dtype, block_size, seed):
     slots = slots.to(device)
     ref_k, ref_v = key_cache.clone(), value_cache.clone()
     ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
-    ops.ref_reshape_and_cache(key, value, ref_k, ref_v, slots)
+    ref_ops.ref_reshape_and_cache(key, value, ref_k, ref_v, slots)
     assert torch.equal(key_cache, ref_k) and torch.equal(value_cache, ref_v)
     # A spot check the reference cannot share a bug with: token 0 sits at its slot.
     s = int(slots[0])
@@ -52,7 +52,7 @@ def test_copy_blocks_matches_reference_all_layers(device, dtype, seed):
     ref_v = [c.clone() for c in value_caches]
     mapping = torch.tensor([[1, 5], [6, 0], [2, 3]], dtype=torch.int64)
     ops.copy_blocks(key_caches, value_caches, mapping)
-    ops.ref_copy_blocks(ref_k, ref_v, mapping)
+    ref_ops.ref_copy_blocks(ref_k, ref_v, mapping)
     for got, want, orig in zip(key_caches + value_caches, ref_k + ref_v, originals):
         assert torch.equal(got, want)
         # src -> dst, never the other way round; other blocks untouched.
@@ -80,7 +80,7 @@ def test_swap_out_device_to_host(device, dtype):
     ops.swap_blocks(dev, host, mapping)
     if device == "cuda":
         torch.cuda.synchronize()
-    ops.ref_swap_blocks(dev, ref_host, mapping)
+    ref_ops.ref_swap_blocks(dev, ref_host, mapping)
     assert torch.equal(host, ref_host)
     assert torch.equal(host[0], dev[6].cpu()) and torch.equal(host[3], dev[2].cpu())
     assert torch.equal(host[[1, 2]], before[[1, 2]])
@@ -96,7 +96,7 @@ def test_swap_in_host_to_device(device, dtype):
     ops.swap_blocks(host, dev, mapping)
     if device == "cuda":
         torch.cuda.synchronize()
-    ops.ref_swap_blocks(host, ref_dev, mapping)
+    ref_ops.ref_swap_blocks(host, ref_dev, mapping)
     assert torch.equal(dev, ref_dev)
     assert torch.equal(dev[5].cpu(), host[0]) and torch.equal(dev[1].cpu(), host[3])
     assert torch.equal(dev[[0, 2, 3, 4, 6]], before[[0, 2, 3, 4, 6]])

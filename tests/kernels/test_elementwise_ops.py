@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ops
+from engine import ops, ref_ops
 from tests.kernels.conftest import tolerances
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -35,7 +35,7 @@ def test_rms_norm_matches_reference(dtype, num_tokens, hidden, strided):
     x = wide[:, :hidden]  # strided: rows of a wider tensor
     weight = randn((hidden,), dtype, gen)
     out = ops.rms_norm(torch.empty(num_tokens, hidden, dtype=dtype), x, weight, 1e-6)
-    expected = ops.ref_rms_norm(torch.empty_like(out), x, weight, 1e-6)
+    expected = ref_ops.ref_rms_norm(torch.empty_like(out), x, weight, 1e-6)
     assert_matches(out, expected)
     # An oracle independent of the reference: float64 formula.
     x64 = x.double()
@@ -52,7 +52,7 @@ def test_fused_add_rms_norm_matches_reference(dtype, num_tokens, hidden):
     ref_x, ref_residual = x.clone(), residual.clone()
     expected_sum = residual + x
     ops.fused_add_rms_norm(x, residual, weight, 1e-5)
-    ops.ref_fused_add_rms_norm(ref_x, ref_residual, weight, 1e-5)
+    ref_ops.ref_fused_add_rms_norm(ref_x, ref_residual, weight, 1e-5)
     assert torch.equal(residual, expected_sum)  # the stream is the plain sum, rounded once
     assert_matches(x, ref_x)
 
@@ -64,7 +64,7 @@ def test_silu_and_mul_matches_reference(dtype, num_tokens, d):
     x = randn((num_tokens, 2 * d), dtype, gen, scale=4.0)
     x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0], dtype=dtype)  # exp's clamped range and zero
     out = ops.silu_and_mul(torch.empty(num_tokens, d, dtype=dtype), x)
-    expected = ops.ref_silu_and_mul(torch.empty_like(out), x)
+    expected = ref_ops.ref_silu_and_mul(torch.empty_like(out), x)
     assert_matches(out, expected)
     assert torch.isfinite(out).all()
 
@@ -97,7 +97,7 @@ def test_rotary_embedding_in_place_on_fused_qkv(dtype, num_tokens, heads, kv_hea
     width = (heads + kv_heads) * head_size
     qk = qkv[:, :width].view(num_tokens, heads + kv_heads, head_size)  # strided view into the fused output
     ops.rotary_embedding(positions, qk, table)
-    ops.ref_rotary_embedding(positions, expected_qkv[:, :width].view(num_tokens, heads + kv_heads, head_size), table)
+    ref_ops.ref_rotary_embedding(positions, expected_qkv[:, :width].view(num_tokens, heads + kv_heads, head_size), table)
     assert_matches(qkv, expected_qkv)
     assert torch.equal(qkv[:, width:], original[:, width:])  # v untouched
     # Independent oracle: each (x1, x2) pair is a complex number rotated by position * freq, in float64.
@@ -123,4 +123,4 @@ def test_elementwise_ops_on_cuda_use_the_reference():
     x = randn((4, 64), torch.float32, gen).cuda()
     weight = torch.ones(64, device="cuda")
     out = ops.rms_norm(torch.empty_like(x), x, weight, 1e-6)
-    torch.testing.assert_close(out, ops.ref_rms_norm(torch.empty_like(x), x, weight, 1e-6))
+    torch.testing.assert_close(out, ref_ops.ref_rms_norm(torch.empty_like(x), x, weight, 1e-6))

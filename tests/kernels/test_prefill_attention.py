@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import ops
+from engine import ops, ref_ops
 from tests.kernels.conftest import random_block_tables, tolerances, torch_threads
 
 
@@ -42,7 +42,7 @@ def run_both(query, key_cache, value_cache, table, context_len):
     out = torch.full_like(query, float("nan"))  # every row must be written
     ref = torch.empty_like(query)
     ops.prefill_attention(out, query, key_cache, value_cache, table, context_len, scale)
-    ops.ref_prefill_attention(ref, query, key_cache, value_cache, table, context_len, scale)
+    ref_ops.ref_prefill_attention(ref, query, key_cache, value_cache, table, context_len, scale)
     return out, ref
 
 
@@ -94,7 +94,7 @@ def test_reference_equals_causal_sdpa_without_prefix():
     """The oracle itself: with nothing cached it is SDPA's own causal attention."""
     query, key, value = fused_qkv(20, 2, 3, 64, torch.float32, torch.Generator().manual_seed(4))
     ref = torch.empty_like(query)
-    ops.ref_prefill_attention(ref, query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
+    ref_ops.ref_prefill_attention(ref, query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
                               torch.zeros(1, dtype=torch.int32), 20, 0.125)
     expect = F.scaled_dot_product_attention(query.transpose(0, 1), key.repeat_interleave(3, 1).transpose(0, 1),
                                             value.repeat_interleave(3, 1).transpose(0, 1), is_causal=True, scale=0.125)

@@ -1,0 +1,144 @@
+"""Pure-torch reference for every compiled op: the test oracle, and the backend where no kernels build.
+
+Same signatures and cache layout as engine/ops.py: per layer [num_blocks, num_kv_heads,
+block_size, head_size]; a slot is block_id * block_size + offset and a negative slot is skipped.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence, Union
+
+import torch
+
+BlockMapping = Union[torch.Tensor, Mapping[int, int], Sequence[tuple[int, int]]]
+
+
+def _as_mapping(block_mapping: BlockMapping) -> torch.Tensor:
+    if isinstance(block_mapping, torch.Tensor):
+        return block_mapping.to(device="cpu", dtype=torch.int64).reshape(-1, 2)
+    pairs = list(block_mapping.items()) if isinstance(block_mapping, Mapping) else list(block_mapping)
+    return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+
+def ref_rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, round to the input dtype, then scale (rounded again)."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return out.copy_(weight * normed.to(x.dtype))
+
+
+def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """residual += x (in its dtype), then x = rms_norm(residual)."""
+    residual.add_(x)
+    ref_rms_norm(x, residual, weight, eps)
+
+
+def ref_silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in the input's dtype, as torch's F.silu(gate) * up rounds it."""
+    gate, up = x.chunk(2, dim=-1)
+    return out.copy_(torch.nn.functional.silu(gate) * up)
+
+
+def ref_rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """HF's x * cos + rotate_half(x) * sin in x's dtype, written back into x."""
+    cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_size // 2]
+    x1, x2 = x.chunk(2, dim=-1)
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+
+
+def ref_argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.argmax(dim=-1), logits.float().logsumexp(dim=-1)
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_table: torch.Tensor,  # [num_seq_blocks] int32
+    context_len: int,
+) -> torch.Tensor:  # [num_kv_heads, context_len, head_size]
+    """One sequence's first context_len cached K (or V) rows, in order, copied out of its blocks."""
+    blocks = cache[block_table.long().to(cache.device)]  # [num_seq_blocks, num_kv_heads, block_size, head_size]
+    num_kv_heads, head_size = blocks.shape[1], blocks.shape[3]
+    return blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :context_len]
+
+
+def ref_paged_attention(
+    out: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    query: torch.Tensor,  # [num_seqs, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> None:
+    """Plain-torch paged decode attention, float32 math, one sequence at a time."""
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    for i, n in enumerate(context_lens.tolist()):
+        if n == 0:  # nothing cached: defined as zeros
+            out[i].zero_()
+            continue
+        table = block_tables[i, : (n + block_size - 1) // block_size]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, n, head_size]
+            return gather_context(cache, table, n).float().repeat_interleave(group, dim=0)
+
+        scores = torch.einsum("hd,hnd->hn", query[i].float(), gather(key_cache)) * scale
+        probs = torch.softmax(scores, dim=-1)  # softmax subtracts the max: safe
+        out[i] = torch.einsum("hn,hnd->hd", probs, gather(value_cache)).to(out.dtype)
+
+
+def ref_prefill_attention(
+    out: torch.Tensor,  # [q_len, num_heads, head_size]
+    query: torch.Tensor,  # [q_len, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    block_table: torch.Tensor,  # [num_seq_blocks] int32
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA in float32 over the gathered context, with GQA copies and a causal mask offset by the cached prefix."""
+    q_len, group = query.shape[0], query.shape[1] // key_cache.shape[1]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, context_len, head_size]
+        return gather_context(cache, block_table, context_len).float().repeat_interleave(group, dim=0)
+
+    mask = torch.ones(q_len, context_len, dtype=torch.bool, device=query.device).tril(context_len - q_len)
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        query.float().transpose(0, 1), gather(key_cache), gather(value_cache), attn_mask=mask, scale=scale)
+    return out.copy_(attn.transpose(0, 1))
+
+
+def ref_reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Plain-torch slot writes."""
+    block_size = key_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].to(key_cache.device)
+    blocks, offsets = slots // block_size, slots % block_size
+    # Indices split by a slice put the token dim first: [n, num_kv_heads, head_size].
+    key_cache[blocks, :, offsets] = key[keep.to(key.device)]
+    value_cache[blocks, :, offsets] = value[keep.to(value.device)]
+
+
+def ref_copy_blocks(
+    key_caches: list[torch.Tensor],  # num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    value_caches: list[torch.Tensor],  # num_layers x [num_blocks, num_kv_heads, block_size, head_size]
+    block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    """Plain-torch block copies, pair by pair, every layer."""
+    for src, dst in _as_mapping(block_mapping).tolist():
+        for cache in (*key_caches, *value_caches):
+            cache[dst].copy_(cache[src])
+
+
+def ref_swap_blocks(
+    src: torch.Tensor,  # [num_src_blocks, ...]
+    dst: torch.Tensor,  # [num_dst_blocks, ...]
+    block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst)
+) -> None:
+    """Plain-torch block copies between two tensors (any devices)."""
+    for s, d in _as_mapping(block_mapping).tolist():
+        dst[d].copy_(src[s])
