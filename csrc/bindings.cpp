@@ -26,17 +26,18 @@ void paged_attention(
     const torch::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
     const torch::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq] int32
     const torch::Tensor& context_lens,  // [num_seqs] int32
-    double scale) {
+    double scale,
+    int64_t sliding_window) {           // 0: the whole context
   if (any_cuda({&out, &query, &key_cache, &value_cache})) {
 #ifdef PAGEDSERVE_CUDA
     return pagedserve::cuda::paged_attention(out, query, key_cache, value_cache, block_tables,
-                                             context_lens, scale);
+                                             context_lens, scale, sliding_window);
 #else
     no_cuda("paged_attention");
 #endif
   }
   pagedserve::cpu::paged_attention(out, query, key_cache, value_cache, block_tables, context_lens,
-                                   scale);
+                                   scale, sliding_window);
 }
 
 void reshape_and_cache(
@@ -125,9 +126,11 @@ void prefill_attention(torch::Tensor& out,                 // [q_len, num_heads,
                        const torch::Tensor& key_cache,     // [num_blocks, num_kv_heads, block_size, head_size]
                        const torch::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
                        const torch::Tensor& block_table,   // [num_seq_blocks] int32
-                       int64_t context_len, double scale) {
+                       int64_t context_len, double scale,
+                       int64_t sliding_window) {           // 0: the whole context
   cpu_only({&out, &query, &key_cache, &value_cache}, "prefill_attention");
-  pagedserve::cpu::prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale);
+  pagedserve::cpu::prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale,
+                                     sliding_window);
 }
 
 void argmax_logsumexp(const torch::Tensor& logits,  // [rows, vocab]

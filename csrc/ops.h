@@ -19,6 +19,9 @@ namespace cpu {
 
 // Decode attention: one query token per sequence over its first
 // context_lens[i] cached tokens, GQA by num_heads / num_kv_heads.
+// sliding_window > 0: only the last sliding_window of them (the query's own
+// included, as HF's Mistral masks); block table entries wholly before that are
+// never read (the block manager may have released them). 0: the whole context.
 void paged_attention(
     at::Tensor& out,                  // [num_seqs, num_heads, head_size]
     const at::Tensor& query,          // [num_seqs, num_heads, head_size]
@@ -26,12 +29,14 @@ void paged_attention(
     const at::Tensor& value_cache,    // [num_blocks, num_kv_heads, block_size, head_size]
     const at::Tensor& block_tables,   // [num_seqs, max_blocks_per_seq] int32
     const at::Tensor& context_lens,   // [num_seqs] int32
-    double scale);
+    double scale,
+    int64_t sliding_window);
 
 // Prefill attention of one sequence: its q_len new tokens, causally, over the
 // first context_len tokens of its blocks (the new ones last, after a cached
 // prefix). GQA by num_heads / num_kv_heads. The caches may be any strided view
 // with contiguous head vectors: a step's own K/V rows pass as one block.
+// sliding_window as for paged_attention, per query token.
 // CPU only (engine/ops.py runs the torch reference for CUDA tensors).
 void prefill_attention(
     at::Tensor& out,                 // [q_len, num_heads, head_size], heads contiguous
@@ -40,7 +45,8 @@ void prefill_attention(
     const at::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
     const at::Tensor& block_table,   // [num_seq_blocks] int32
     int64_t context_len,
-    double scale);
+    double scale,
+    int64_t sliding_window);
 
 // Writes each token's key/value row into its slot of the cache.
 void reshape_and_cache(
@@ -114,7 +120,8 @@ void paged_attention(
     const at::Tensor& value_cache,    // [num_blocks, num_kv_heads, block_size, head_size]
     const at::Tensor& block_tables,   // [num_seqs, max_blocks_per_seq] int32
     const at::Tensor& context_lens,   // [num_seqs] int32
-    double scale);
+    double scale,
+    int64_t sliding_window);
 
 void reshape_and_cache(
     const at::Tensor& key,            // [num_tokens, num_kv_heads, head_size]

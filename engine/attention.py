@@ -52,11 +52,16 @@ class AttentionMetadata:
 
 
 class Attention(torch.nn.Module):
-    """Multi-head attention with GQA for the tokens of one layer, reading and writing that layer's cache."""
+    """Multi-head attention with GQA for the tokens of one layer, reading and writing that layer's cache.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
+    With a sliding window each token attends to the last sliding_window tokens, its own included (HF's
+    Mistral mask); cache blocks wholly before that are never read, so the block manager may release them."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 sliding_window: Optional[int] = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size, self.scale = num_heads, num_kv_heads, head_size, scale
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -71,7 +76,7 @@ class Attention(torch.nn.Module):
         out = torch.empty_like(query)
         n_pre = meta.num_prefill_tokens
         if meta.prefills:
-            if meta.prefill_bias is not None and xops is not None:
+            if meta.prefill_bias is not None and xops is not None and self.sliding_window is None:
                 out[:n_pre] = self._prefill_xformers(query[:n_pre], key[:n_pre], value[:n_pre], meta.prefill_bias)
             elif query.is_cuda:
                 for span in meta.prefills:
@@ -82,7 +87,7 @@ class Attention(torch.nn.Module):
         if meta.num_decode_tokens:
             ops.paged_attention(
                 out[n_pre:], query[n_pre:], kv_cache[0], kv_cache[1],
-                meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window,
             )
         return out
 
@@ -95,21 +100,23 @@ class Attention(torch.nn.Module):
             table = _ONE_BLOCK
         else:  # the blocks hold the prefix and, just written, this step's K/V
             k, v, table = kv_cache[0], kv_cache[1], span.block_table
-        ops.prefill_attention(out[rows], query[rows], k, v, table, span.context_len, self.scale)
+        ops.prefill_attention(out[rows], query[rows], k, v, table, span.context_len, self.scale, self.sliding_window)
 
     def _prefill_sdpa(self, query, key, value, kv_cache: Optional[KVCache], span: PrefillSpan) -> torch.Tensor:
         q = query[span.start:span.end].transpose(0, 1)  # [num_heads, q_len, head_size]
-        mask = None
+        q_len, mask = span.end - span.start, None
         if span.num_cached == 0:
             k = key[span.start:span.end].transpose(0, 1)  # [num_kv_heads, q_len, head_size]
             v = value[span.start:span.end].transpose(0, 1)
+            if self.sliding_window is not None:
+                mask = ref_ops.causal_window_mask(q_len, q_len, 0, self.sliding_window, q.device)
         else:
-            # The prefix cache already holds the first tokens: read the whole context back from the blocks
-            # (this step's K/V were just written there too) and offset the causal mask by num_cached.
-            k = ref_ops.gather_context(kv_cache[0], span.block_table, span.context_len)  # [num_kv_heads, ctx, head_size]
-            v = ref_ops.gather_context(kv_cache[1], span.block_table, span.context_len)
-            q_len = span.end - span.start
-            mask = torch.ones(q_len, span.context_len, dtype=torch.bool, device=q.device).tril(span.num_cached)
+            # The prefix cache already holds the first tokens: read the context back from the blocks, from the
+            # first query's window on (this step's K/V were just written there too), under an offset causal mask.
+            start = ref_ops.window_start(span.num_cached, self.sliding_window)
+            k = ref_ops.gather_context(kv_cache[0], span.block_table, span.context_len, start)  # [kv_heads, n, hs]
+            v = ref_ops.gather_context(kv_cache[1], span.block_table, span.context_len, start)
+            mask = ref_ops.causal_window_mask(q_len, span.context_len, start, self.sliding_window, q.device)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # explicit GQA copies: SDPA's enable_gqa falls back to its slow math kernel on CPU
             k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
@@ -130,7 +137,8 @@ class Attention(torch.nn.Module):
 
 
 def make_prefill_bias(prefills: list[PrefillSpan]):
-    """xformers' block-diagonal causal mask for prefills without a cached prefix; None where xformers cannot serve."""
+    """xformers' block-diagonal causal mask for prefills without a cached prefix; None where xformers cannot serve.
+    Windowed layers do not use it (they take the SDPA path with a windowed mask)."""
     if xops is None or not prefills or any(p.num_cached for p in prefills):
         return None
     return BlockDiagonalCausalMask.from_seqlens([p.end - p.start for p in prefills])

@@ -12,6 +12,9 @@ from engine.block_allocator import NO_PREFIX_HASH, BlockAllocator, BlockHash, ha
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[int]
+# A table entry whose block was released because it lies wholly before the sliding window: a valid block id
+# that no kernel reads (they start at the window), owned by nobody. Released entries are a table's prefix.
+RELEASED_BLOCK = 0
 
 
 class AllocStatus(enum.Enum):
@@ -42,8 +45,11 @@ class BlockSpaceManager:
         num_cpu_blocks: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        sliding_window: Optional[int] = None,
     ) -> None:
         self.block_size = block_size
+        # Every layer attends within the last sliding_window tokens: blocks wholly before that are released.
+        self.sliding_window = sliding_window
         self.num_device_blocks = num_device_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -55,6 +61,8 @@ class BlockSpaceManager:
         self.cpu_block_tables: dict[int, BlockTable] = {}  # seq_id -> swap blocks, while SWAPPED
         # seq_id -> chained hashes of its leading full, computed blocks (prefix caching only).
         self._seq_hashes: dict[int, list[BlockHash]] = {}
+        # seq_id -> how many leading entries of its table (device or swap) are RELEASED_BLOCK; absent: none.
+        self._num_released: dict[int, int] = {}
         self._num_queried_blocks = 0
         self._num_hit_blocks = 0
 
@@ -152,9 +160,13 @@ class BlockSpaceManager:
         return self.num_append_blocks(group.get_seqs(SequenceStatus.RUNNING)) <= self.gpu.num_free()
 
     def append_slots(self, seq: Sequence) -> Optional[tuple[int, int]]:
-        """Grow the table to cover get_len() tokens; returns the (src, dst) copy when the written block was shared."""
+        """Grow the table to cover get_len() tokens; returns the (src, dst) copy when the written block was shared.
+
+        Under a sliding window, first release the blocks no query of this step or later reads."""
         table = self.block_tables[seq.seq_id]
         size = self.block_size
+        if self.sliding_window is not None:
+            self._release_outside_window(seq, table)
         cow = None
         index = seq.num_computed_tokens // size
         if index < len(table) and self.gpu.ref_counts[table[index]] > 1:
@@ -166,21 +178,42 @@ class BlockSpaceManager:
             table.append(self.gpu.allocate())
         return cow
 
+    def _release_outside_window(self, seq: Sequence, table: BlockTable) -> None:
+        # The next forward's first query is token num_computed_tokens: it, and every later one, sees only
+        # tokens from num_computed_tokens - sliding_window + 1 on. Blocks wholly before that go back.
+        first_seen = max(seq.num_computed_tokens - self.sliding_window + 1, 0)
+        released = self._num_released.get(seq.seq_id, 0)
+        keep_from = min(first_seen // self.block_size, len(table))
+        if keep_from <= released:
+            return
+        for i in range(released, keep_from):
+            self.gpu.free(table[i])
+            table[i] = RELEASED_BLOCK
+        self._num_released[seq.seq_id] = keep_from
+
+    def num_released(self, seq_id: int) -> int:
+        """Leading entries of the sequence's table (device or swap) released out of the sliding window."""
+        return self._num_released.get(seq_id, 0)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; the first write to a shared block copies it."""
         table = self.block_tables[parent.seq_id]
-        for block in table:
+        released = self._num_released.get(parent.seq_id, 0)
+        for block in table[released:]:
             self.gpu.incref(block)
         self.block_tables[child.seq_id] = list(table)
+        if released:
+            self._num_released[child.seq_id] = released
         self._seq_hashes[child.seq_id] = list(self._seq_hashes.get(parent.seq_id, ()))
 
     def free(self, seq: Sequence) -> None:
         """Return every block of the sequence, wherever it lives. Freeing twice is harmless."""
         self._seq_hashes.pop(seq.seq_id, None)
+        released = self._num_released.pop(seq.seq_id, 0)
         for tables, allocator in ((self.block_tables, self.gpu), (self.cpu_block_tables, self.cpu)):
             table = tables.pop(seq.seq_id, None)
             # Tail first: the evictor then drops a chain's tail before its head, which more prompts share.
-            for block in reversed(table or ()):
+            for block in reversed((table or [])[released:]):
                 allocator.free(block)
 
     def get_block_table(self, seq: Sequence) -> BlockTable:
@@ -189,7 +222,7 @@ class BlockSpaceManager:
     # -- swapping ------------------------------------------------------------------
 
     def _unique_blocks(self, tables: dict[int, BlockTable], seqs: list[Sequence]) -> int:
-        return len({block for seq in seqs for block in tables[seq.seq_id]})
+        return len({block for seq in seqs for block in tables[seq.seq_id][self._num_released.get(seq.seq_id, 0):]})
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         running = group.get_seqs(SequenceStatus.RUNNING)
@@ -223,8 +256,7 @@ class BlockSpaceManager:
         return self._move(group.get_seqs(SequenceStatus.SWAPPED), self.cpu_block_tables, self.cpu,
                           self.block_tables, self.gpu, mapping)
 
-    @staticmethod
-    def _move(seqs: list[Sequence], src_tables: dict[int, BlockTable], src: BlockAllocator,
+    def _move(self, seqs: list[Sequence], src_tables: dict[int, BlockTable], src: BlockAllocator,
               dst_tables: dict[int, BlockTable], dst: BlockAllocator,
               mapping: Optional[dict[int, int]] = None) -> dict[int, int]:
         # A block shared by siblings (or, within one step, by groups) moves once and stays shared on the other side.
@@ -233,8 +265,10 @@ class BlockSpaceManager:
         if mapping is None:
             mapping = {}
         for seq in seqs:
-            new_table = []
-            for block in src_tables.pop(seq.seq_id):
+            table = src_tables.pop(seq.seq_id)
+            released = self._num_released.get(seq.seq_id, 0)
+            new_table = table[:released]  # released entries stay released on the other side
+            for block in table[released:]:
                 if block in mapping:
                     dst.incref(mapping[block])
                 else:
@@ -258,12 +292,14 @@ class BlockSpaceManager:
                 continue  # the common decode step: no block filled up
             token_ids = seq.all_token_ids
             table = self.block_tables[seq.seq_id]
+            released = self._num_released.get(seq.seq_id, 0)
             prefix_hash = hashes[-1] if hashes else NO_PREFIX_HASH
             for i in range(len(hashes), num_full):
                 chunk = tuple(token_ids[i * size:(i + 1) * size])
                 prefix_hash = hash_block(prefix_hash, chunk)
                 hashes.append(prefix_hash)
-                self.gpu.register(table[i], prefix_hash, chunk)
+                if i >= released:  # a released block is no longer this sequence's to register
+                    self.gpu.register(table[i], prefix_hash, chunk)
 
     # -- figures -------------------------------------------------------------------
 

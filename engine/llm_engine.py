@@ -63,7 +63,8 @@ class LLMEngine:
         self.cache_engine = CacheEngine(
             config.block_size, self.hf_config, num_device_blocks, num_cpu_blocks, self.device, self.dtype
         )
-        self.scheduler = Scheduler(config, num_device_blocks, num_cpu_blocks)
+        # The model's window (every layer's) lets the block manager release blocks the attention no longer reads.
+        self.scheduler = Scheduler(config, num_device_blocks, num_cpu_blocks, sliding_window=self.model.kv_window)
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
         self.vocab_size = int(self.hf_config.vocab_size)
         self.sampler = Sampler(eos_token_id=self.eos_token_id)

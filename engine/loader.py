@@ -227,10 +227,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(tok_source, **tok_kwargs)
 
     dtype = resolve_dtype(config, hf_config, device)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        logger.warning("sliding-window attention (%d tokens) is not implemented: attention spans the whole context, "
-                       "so outputs differ from the reference beyond %d tokens", window, window)
     model_cls = get_model_class(hf_config)
     with torch.device("meta"):
         # The RoPE table must cover --max-model-len when it exceeds the checkpoint's (rope-scaled models).

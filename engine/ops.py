@@ -7,7 +7,7 @@ block_id * block_size + offset and a negative slot is skipped.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -45,12 +45,16 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: Optional[int] = None,
 ) -> None:
-    """Decode attention of one query token per sequence over its paged context; writes out."""
+    """Decode attention of one query token per sequence over its paged context (with a window: its last
+    sliding_window tokens, the query's own included; earlier blocks are never read); writes out."""
     module = _compiled_for(out, query, key_cache)
     if module is None:
-        return ref_paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale)
-    module.paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, float(scale))
+        return ref_paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
+                                   sliding_window)
+    module.paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
+                           _window_arg(sliding_window))
 
 
 def prefill_attention(
@@ -61,14 +65,27 @@ def prefill_attention(
     block_table: torch.Tensor,  # [num_seq_blocks] int32
     context_len: int,
     scale: float,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's q_len new tokens over the first context_len tokens of its blocks
-    (a cached prefix, then the new ones); GQA without K/V copies. CPU kernel; CUDA runs the reference."""
+    (a cached prefix, then the new ones), each over its last sliding_window tokens when given; GQA without
+    K/V copies. CPU kernel; CUDA runs the reference."""
     module = _compiled_cpu_for(query, key_cache)
     if module is None or query.dtype not in (*_ELEMENTWISE_DTYPES, torch.float16):
-        return ref_prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale)
-    module.prefill_attention(out, query, key_cache, value_cache, block_table, int(context_len), float(scale))
+        return ref_prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale,
+                                     sliding_window)
+    module.prefill_attention(out, query, key_cache, value_cache, block_table, int(context_len), float(scale),
+                             _window_arg(sliding_window))
     return out
+
+
+def _window_arg(sliding_window: Optional[int]) -> int:
+    """The kernels' encoding of a window: its length in tokens, 0 for none."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    return int(sliding_window)
 
 
 def reshape_and_cache(

@@ -5,7 +5,7 @@ block_size, head_size]; a slot is block_id * block_size + offset and a negative 
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -52,11 +52,24 @@ def gather_context(
     cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
     block_table: torch.Tensor,  # [num_seq_blocks] int32
     context_len: int,
-) -> torch.Tensor:  # [num_kv_heads, context_len, head_size]
-    """One sequence's first context_len cached K (or V) rows, in order, copied out of its blocks."""
-    blocks = cache[block_table.long().to(cache.device)]  # [num_seq_blocks, num_kv_heads, block_size, head_size]
+    start: int = 0,
+) -> torch.Tensor:  # [num_kv_heads, context_len - start, head_size]
+    """One sequence's cached K (or V) rows [start, context_len), in order, copied out of its blocks.
+
+    Blocks wholly before `start` are not read: under a sliding window they may have been released."""
+    block_size = cache.shape[2]
+    first = start // block_size
+    table = block_table[first:(context_len + block_size - 1) // block_size]
+    blocks = cache[table.long().to(cache.device)]  # [num_read_blocks, num_kv_heads, block_size, head_size]
     num_kv_heads, head_size = blocks.shape[1], blocks.shape[3]
-    return blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_size)[:, :context_len]
+    rows = blocks.transpose(0, 1).reshape(num_kv_heads, -1, head_size)
+    return rows[:, start - first * block_size:context_len - first * block_size]
+
+
+def window_start(last_position: int, sliding_window: Optional[int]) -> int:
+    """The first context token a query at last_position attends to: HF's window holds the query and the
+    sliding_window - 1 tokens before it (key j is seen when last_position - sliding_window < j <= last_position)."""
+    return 0 if sliding_window is None else max(0, last_position - sliding_window + 1)
 
 
 def ref_paged_attention(
@@ -67,18 +80,19 @@ def ref_paged_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: Optional[int] = None,
 ) -> None:
-    """Plain-torch paged decode attention, float32 math, one sequence at a time."""
-    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
+    """Plain-torch paged decode attention, float32 math, one sequence at a time; with a window,
+    over the last sliding_window tokens only."""
+    group = query.shape[1] // key_cache.shape[1]
     for i, n in enumerate(context_lens.tolist()):
         if n == 0:  # nothing cached: defined as zeros
             out[i].zero_()
             continue
-        table = block_tables[i, : (n + block_size - 1) // block_size]
+        start = window_start(n - 1, sliding_window)
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, n, head_size]
-            return gather_context(cache, table, n).float().repeat_interleave(group, dim=0)
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, n - start, head_size]
+            return gather_context(cache, block_tables[i], n, start).float().repeat_interleave(group, dim=0)
 
         scores = torch.einsum("hd,hnd->hn", query[i].float(), gather(key_cache)) * scale
         probs = torch.softmax(scores, dim=-1)  # softmax subtracts the max: safe
@@ -93,17 +107,31 @@ def ref_prefill_attention(
     block_table: torch.Tensor,  # [num_seq_blocks] int32
     context_len: int,
     scale: float,
+    sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """SDPA in float32 over the gathered context, with GQA copies and a causal mask offset by the cached prefix."""
+    """SDPA in float32 over the gathered context, with GQA copies and a causal mask offset by the cached
+    prefix (and, with a window, cut to each query's last sliding_window tokens)."""
     q_len, group = query.shape[0], query.shape[1] // key_cache.shape[1]
+    start = window_start(context_len - q_len, sliding_window)  # the first query's window: nothing earlier is read
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, context_len, head_size]
-        return gather_context(cache, block_table, context_len).float().repeat_interleave(group, dim=0)
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, context_len - start, head_size]
+        return gather_context(cache, block_table, context_len, start).float().repeat_interleave(group, dim=0)
 
-    mask = torch.ones(q_len, context_len, dtype=torch.bool, device=query.device).tril(context_len - q_len)
+    mask = causal_window_mask(q_len, context_len, start, sliding_window, query.device)
     attn = torch.nn.functional.scaled_dot_product_attention(
         query.float().transpose(0, 1), gather(key_cache), gather(value_cache), attn_mask=mask, scale=scale)
     return out.copy_(attn.transpose(0, 1))
+
+
+def causal_window_mask(q_len: int, context_len: int, start: int, sliding_window: Optional[int],
+                       device: torch.device) -> torch.Tensor:  # [q_len, context_len - start] bool
+    """Which of the keys [start, context_len) each of the last q_len tokens of the context sees."""
+    query_pos = torch.arange(context_len - q_len, context_len, device=device)[:, None]
+    key_pos = torch.arange(start, context_len, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
 
 
 def ref_reshape_and_cache(

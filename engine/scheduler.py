@@ -54,7 +54,8 @@ class Scheduler:
     what is left of the budget (a long prompt takes several steps, and the decodes go on meanwhile).
     """
 
-    def __init__(self, config: EngineConfig, num_device_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_device_blocks: int, num_cpu_blocks: int,
+                 sliding_window: Optional[int] = None) -> None:
         if config.max_model_len is None or config.max_num_batched_tokens is None:
             raise ValueError("EngineConfig.resolve() must run before the Scheduler is built.")
         self.max_model_len = config.max_model_len
@@ -64,7 +65,8 @@ class Scheduler:
         self.preemption_mode = config.preemption_mode
         self.policy = config.scheduling_policy
         self.block_manager = BlockSpaceManager(
-            config.block_size, num_device_blocks, num_cpu_blocks, config.watermark, config.enable_prefix_caching
+            config.block_size, num_device_blocks, num_cpu_blocks, config.watermark, config.enable_prefix_caching,
+            sliding_window,
         )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()

@@ -38,11 +38,12 @@ struct Plan {
   bool parallel;
 };
 
-Plan make_plan(const int32_t* lens, int64_t num_seqs, const Geometry& g) {
+// begins[s]: the first token sequence s attends to (0, or the start of its sliding window).
+Plan make_plan(const int32_t* lens, const int32_t* begins, int64_t num_seqs, const Geometry& g) {
   int64_t max_len = 1, total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    max_len = std::max<int64_t>(max_len, lens[s]);
-    total += lens[s];
+    max_len = std::max<int64_t>(max_len, lens[s] - begins[s]);
+    total += lens[s] - begins[s];
   }
   const int64_t threads = omp_get_max_threads();
   Plan plan{max_len, 1, threads > 1 && total * g.num_kv_heads * g.group * g.head_size >= kParallelMinWork};
@@ -100,12 +101,13 @@ void merge_spans(T* out,               // [head_size]
 
 template <int N, typename T>
 void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-         const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t num_seqs, const Geometry& g) {
+         const int32_t* tables, int64_t max_blocks, const int32_t* lens, const int32_t* begins, int64_t num_seqs,
+         const Geometry& g) {
   T* out_ptr = reinterpret_cast<T*>(out.data_ptr());
   const T* q_ptr = reinterpret_cast<const T*>(query.data_ptr());
   const T* k_ptr = reinterpret_cast<const T*>(key_cache.data_ptr());
   const T* v_ptr = reinterpret_cast<const T*>(value_cache.data_ptr());
-  const Plan plan = make_plan(lens, num_seqs, g);
+  const Plan plan = make_plan(lens, begins, num_seqs, g);
   const int64_t H = g.head_size, heads = g.num_kv_heads * g.group;
   const int64_t num_items = num_seqs * g.num_kv_heads * plan.num_spans;
   // Span results [num_seqs, num_heads, num_spans, head_size + 2], only when contexts are split.
@@ -122,8 +124,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
       const int64_t seq = item / (g.num_kv_heads * plan.num_spans);
       const int64_t kv_head = item / plan.num_spans % g.num_kv_heads, span = item % plan.num_spans;
       const Item<T> it{q_ptr + seq * g.q_stride_seq + kv_head * g.group * g.q_stride_head, k_ptr, v_ptr,
-                       tables + seq * max_blocks, kv_head, span * plan.span,
-                       std::min<int64_t>(lens[seq], (span + 1) * plan.span)};
+                       tables + seq * max_blocks, kv_head, begins[seq] + span * plan.span,
+                       std::min<int64_t>(lens[seq], begins[seq] + (span + 1) * plan.span)};
       std::fill(sc.sum.begin(), sc.sum.end(), 0.f);
       if (it.end > it.begin) {
         attn::attend<N>(sc.acc.data(), sc.max_logit.data(), sc.sum.data(), sc.logits.data(), it, g);
@@ -152,12 +154,13 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
 
 template <typename T>
 void dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-              const int32_t* tables, int64_t max_blocks, const int32_t* lens, int64_t num_seqs, const Geometry& g) {
+              const int32_t* tables, int64_t max_blocks, const int32_t* lens, const int32_t* begins, int64_t num_seqs,
+              const Geometry& g) {
   // The widest vectors that tile a head; other head sizes run one lane at a time.
   if (g.head_size % simd::kNative == 0) {
-    run<simd::kNative, T>(out, query, key_cache, value_cache, tables, max_blocks, lens, num_seqs, g);
+    run<simd::kNative, T>(out, query, key_cache, value_cache, tables, max_blocks, lens, begins, num_seqs, g);
   } else {
-    run<1, T>(out, query, key_cache, value_cache, tables, max_blocks, lens, num_seqs, g);
+    run<1, T>(out, query, key_cache, value_cache, tables, max_blocks, lens, begins, num_seqs, g);
   }
 }
 
@@ -170,8 +173,10 @@ void paged_attention(
     const at::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
     const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq] int32
     const at::Tensor& context_lens,  // [num_seqs] int32
-    double scale) {
+    double scale,
+    int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "out/query must be [num_seqs, num_heads, head_size]");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: the whole context)");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key/value cache must be [num_blocks, num_kv_heads, block_size, head_size]");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(),
@@ -194,11 +199,14 @@ void paged_attention(
   const int32_t* table_ptr = tables.data_ptr<int32_t>();
   const int32_t* len_ptr = lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
-  // Validate up front: a bad block id would read outside the cache.
+  // Each query sees its last sliding_window tokens (itself included); blocks before that are never read,
+  // and may have been released. Validate the rest up front: a bad block id would read outside the cache.
+  std::vector<int32_t> begins(num_seqs, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(len_ptr[s] <= max_blocks * block_size, "context_lens[", s, "] = ", len_ptr[s],
-                " exceeds its block table");
-    for (int64_t b = 0; b * block_size < len_ptr[s]; ++b) {
+    TORCH_CHECK(len_ptr[s] >= 0 && len_ptr[s] <= max_blocks * block_size, "context_lens[", s, "] = ", len_ptr[s],
+                " is negative or exceeds its block table");
+    if (sliding_window > 0) begins[s] = static_cast<int32_t>(std::max<int64_t>(0, len_ptr[s] - sliding_window));
+    for (int64_t b = begins[s] / block_size; b * block_size < len_ptr[s]; ++b) {
       const int32_t id = table_ptr[s * max_blocks + b];
       TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", s, "][", b, "] = ", id, " is outside the cache");
     }
@@ -207,11 +215,14 @@ void paged_attention(
                    query.stride(0), query.stride(1), static_cast<float>(scale)};
   switch (dtype) {
     case at::kFloat:
-      return dispatch<float>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, num_seqs, g);
+      return dispatch<float>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, begins.data(),
+                             num_seqs, g);
     case at::kBFloat16:
-      return dispatch<c10::BFloat16>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, num_seqs, g);
+      return dispatch<c10::BFloat16>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, begins.data(),
+                                      num_seqs, g);
     case at::kHalf:
-      return dispatch<c10::Half>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, num_seqs, g);
+      return dispatch<c10::Half>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, begins.data(),
+                                  num_seqs, g);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", dtype);
   }

@@ -52,8 +52,12 @@ struct Problem {
   const int32_t* table;  // [ctx / block_size rounded up] the sequence's blocks
   int64_t block_size;
   float scale;
+  int64_t window;  // keys a row sees, itself included; 0: every earlier key
   int64_t rows() const { return q_len * group; }  // per kv head: row r is token r / group, head r % group
   int64_t last_key(int64_t row) const { return ctx - q_len + row / group; }  // causal, after the cached prefix
+  int64_t first_key(int64_t row) const {  // blocks wholly before row 0's first key are never read
+    return window > 0 ? std::max<int64_t>(0, last_key(row) - window + 1) : 0;
+  }
   // Row of token j (block b = j / block_size, offset r) for kv head h.
   template <typename T>
   const T* row(const T* base, const Layout& l, int64_t b, int64_t r, int64_t h) const {
@@ -113,36 +117,45 @@ inline void score_step(float* s, int64_t s_stride, const float* qf, const T* con
   }
 }
 
-// In place over s[0, end): exp(s - max) up to and including `last`, zeros after; returns the sum.
-inline float softmax_row(float* s, int64_t last, int64_t end) {
-  const int64_t len = last + 1;
+// In place over s[begin, end): exp(s - max) over keys [first, last], zeros elsewhere; returns the sum.
+inline float softmax_row(float* s, int64_t begin, int64_t first, int64_t last, int64_t end) {
+  std::fill(s + begin, s + first, 0.f);  // before the sliding window
+  float* w = s + first;
+  const int64_t len = last + 1 - first;
   float m = -std::numeric_limits<float>::infinity();
   Vec<N> mv = simd::splat<N>(m);
   int64_t j = 0;
-  for (; j + N <= len; j += N) mv = simd::max<N>(mv, simd::load<N>(s + j));
+  for (; j + N <= len; j += N) mv = simd::max<N>(mv, simd::load<N>(w + j));
   m = simd::reduce_max<N>(mv);
-  for (; j < len; ++j) m = std::max(m, s[j]);
+  for (; j < len; ++j) m = std::max(m, w[j]);
   Vec<N> sum = {};
-  for (j = 0; j < len; j += N) {
-    Vec<N> e = simd::exp<N>(simd::load<N>(s + j) - m);
-    if (j + N > len) {  // masked: later tokens
-      for (int i = static_cast<int>(len - j); i < N; ++i) e[i] = 0.f;
-    }
-    simd::store<N>(s + j, e);
+  for (j = 0; j + N <= len; j += N) {
+    const Vec<N> e = simd::exp<N>(simd::load<N>(w + j) - m);
+    simd::store<N>(w + j, e);
     sum += e;
   }
-  std::fill(s + j, s + end, 0.f);
+  if (j < len) {  // the tail, one vector whose lanes past `last` are masked (written only up to `last`)
+    alignas(64) float tail[N] = {};
+    std::copy(w + j, w + len, tail);
+    Vec<N> e = simd::exp<N>(simd::load<N>(tail) - m);
+    for (int i = static_cast<int>(len - j); i < N; ++i) e[i] = 0.f;
+    simd::store<N>(tail, e);
+    std::copy(tail, tail + (len - j), w + j);
+    sum += e;
+  }
+  std::fill(s + last + 1, s + end, 0.f);  // later tokens: causal
   return simd::reduce_add<N>(sum);
 }
 
-// out rows of the tile [d0, d0 + S*L) = sum_j P[m][j] v_j / sum[m], for keys [0, end).
+// out rows of the tile [d0, d0 + S*L) = sum_j P[m][j] v_j / sum[m], for keys [begin, end).
 template <int L, int S, typename T>
 void pv_slice(T* const (&out)[kRows], const float* P, int64_t p_stride, const float* inv_sum, const T* value,
-              int64_t h, int64_t end, int64_t d0, const Problem& p) {
+              int64_t h, int64_t begin, int64_t end, int64_t d0, const Problem& p) {
   Vec<L> acc[kRows][S] = {};
   // One flat loop (GCC keeps the 24 accumulators in registers only then), a table lookup per block.
-  const T* v = p.row(value, p.v, 0, 0, h) + d0;
-  for (int64_t j = 0, b = 0, r = 0; j < end; ++j) {
+  int64_t b = begin / p.block_size, r = begin % p.block_size;
+  const T* v = p.row(value, p.v, b, r, h) + d0;
+  for (int64_t j = begin; j < end; ++j) {
     Vec<L> x[S];
     for (int s = 0; s < S; ++s) {
       x[s] = simd::load<L>(v + s * L);
@@ -166,12 +179,12 @@ void pv_slice(T* const (&out)[kRows], const float* P, int64_t p_stride, const fl
 
 template <int L, typename T>
 void pv(T* const (&out)[kRows], const float* P, int64_t p_stride, const float* inv_sum, const T* value, int64_t h,
-        int64_t end, const Problem& p) {
+        int64_t begin, int64_t end, const Problem& p) {
   int64_t d0 = 0;
   for (; d0 + kSlice * L <= p.head_size; d0 += kSlice * L) {
-    pv_slice<L, kSlice>(out, P, p_stride, inv_sum, value, h, end, d0, p);
+    pv_slice<L, kSlice>(out, P, p_stride, inv_sum, value, h, begin, end, d0, p);
   }
-  for (; d0 < p.head_size; d0 += L) pv_slice<L, 1>(out, P, p_stride, inv_sum, value, h, end, d0, p);
+  for (; d0 < p.head_size; d0 += L) pv_slice<L, 1>(out, P, p_stride, inv_sum, value, h, begin, end, d0, p);
 }
 
 struct Scratch {
@@ -197,21 +210,24 @@ void attend_tile(T* out, const T* query, const T* value, const uint32_t* words, 
       for (int64_t d = 0; d < H; ++d) sc.query[m * H + d] = static_cast<float>(qt[m][d]);
     }
   }
-  const int64_t last = p.last_key(std::min(r0 + kRows, p.rows()) - 1);  // rows are in token order
-  const int64_t end = (last + kKeys) / kKeys * kKeys;
+  // Rows are in token order: the tile's keys run from its first row's first key to its last row's last.
+  const int64_t first = p.first_key(r0), last = p.last_key(std::min(r0 + kRows, p.rows()) - 1);
+  const int64_t begin = first / kKeys * kKeys, end = (last + kKeys) / kKeys * kKeys;
   float* s = sc.scores.data();
-  words += h * (H / 2) * p.padded;  // this kv head's packed keys
+  words += h * (H / 2) * p.padded;  // this kv head's packed keys (zeros before the packed range)
   floats += h * H * p.padded;
-  for (int64_t j0 = 0; j0 < end; j0 += kKeys) {
+  for (int64_t j0 = begin; j0 < end; j0 += kKeys) {
     score_step<Pairs, T>(s, p.padded, sc.query.data(), qt, words, floats, j0, p);
   }
   for (int m = 0; m < kRows; ++m) {
-    inv_sum[m] = 1.f / softmax_row(s + m * p.padded, p.last_key(std::min(r0 + m, p.rows() - 1)), end);
+    const int64_t r = std::min(r0 + m, p.rows() - 1);
+    inv_sum[m] = 1.f / softmax_row(s + m * p.padded, begin, p.first_key(r), p.last_key(r), end);
   }
+  // V rows before `first` may be in released blocks: P.V starts there, not at `begin`.
   if (H % N == 0) {
-    pv<N>(ot, s, p.padded, inv_sum, value, h, last + 1, p);
+    pv<N>(ot, s, p.padded, inv_sum, value, h, first, last + 1, p);
   } else {
-    pv<1>(ot, s, p.padded, inv_sum, value, h, last + 1, p);
+    pv<1>(ot, s, p.padded, inv_sum, value, h, first, last + 1, p);
   }
 }
 
@@ -224,13 +240,16 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const 
   const int64_t H = p.head_size, tiles = (p.rows() + kRows - 1) / kRows;
   std::vector<uint32_t> words(Pairs ? p.num_kv_heads * (H / 2) * p.padded : 0);
   std::vector<float> floats(Pairs ? 0 : p.num_kv_heads * H * p.padded);
-  const int64_t work = p.num_kv_heads * p.rows() * (p.ctx - p.q_len / 2) * H;
+  const int64_t keys_per_row = p.window > 0 ? std::min(p.window, p.ctx - p.q_len / 2) : p.ctx - p.q_len / 2;
+  const int64_t work = p.num_kv_heads * p.rows() * keys_per_row * H;
   std::atomic<bool> packed{false};
   std::atomic<int64_t> next{0};
 #pragma omp parallel if (work >= kParallelMinWork)
   {
     if (omp_get_thread_num() == 0) {  // the caller packs the keys while the team wakes up (parallel.h)
-      for (int64_t h = 0; h < p.num_kv_heads; ++h) pack_keys<Pairs>(words.data(), floats.data(), k, h, 0, p.ctx, p);
+      for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+        pack_keys<Pairs>(words.data(), floats.data(), k, h, p.first_key(0), p.ctx, p);
+      }
       packed.store(true, std::memory_order_release);
     }
     while (!packed.load(std::memory_order_acquire)) spin_pause();
@@ -249,7 +268,9 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const 
 }  // namespace
 
 void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                       const at::Tensor& value_cache, const at::Tensor& block_table, int64_t context_len, double scale) {
+                       const at::Tensor& value_cache, const at::Tensor& block_table, int64_t context_len, double scale,
+                       int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "prefill_attention: sliding_window must be >= 0 (0: the whole context)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && key_cache.dim() == 4 &&
                   key_cache.sizes() == value_cache.sizes(),
               "prefill_attention: out/query [q_len, num_heads, head_size], "
@@ -272,7 +293,8 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
               " new tokens, a context of ", context_len, " and ", block_table.size(0), " blocks of ", block_size);
   const auto table = block_table.contiguous();
   const int32_t* ids = table.data_ptr<int32_t>();
-  for (int64_t b = 0; b * block_size < context_len; ++b) {  // a bad block id would read outside the cache
+  const int64_t first_read = sliding_window > 0 ? std::max<int64_t>(0, context_len - q_len - sliding_window + 1) : 0;
+  for (int64_t b = first_read / block_size; b * block_size < context_len; ++b) {  // a bad id would read outside
     TORCH_CHECK(ids[b] >= 0 && ids[b] < num_blocks, "prefill_attention: block_table[", b, "] = ", ids[b],
                 " is outside the cache");
   }
@@ -281,7 +303,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   const Layout v{value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
   const Problem p{q_len, context_len, num_kv_heads, num_heads / num_kv_heads, head_size,
                   (context_len + kKeys - 1) / kKeys * kKeys, query.stride(0), query.stride(1), out.stride(0),
-                  k, v, ids, block_size, static_cast<float>(scale)};
+                  k, v, ids, block_size, static_cast<float>(scale), sliding_window};
   switch (dtype) {
     case at::kFloat: return run<false, float>(out, query, key_cache, value_cache, p);
     case at::kBFloat16:

@@ -63,9 +63,15 @@ __device__ __forceinline__ float block_reduce(float v, float* red /* [kNumWarps]
   return kMax ? warp_max(v) : warp_sum(v);
 }
 
-// kPartition == 0: the whole context, result to out.
-// kPartition > 0: tokens [p * kPartition, (p + 1) * kPartition) of the
-// context, normalized partial result to tmp_out plus its max logit and exp sum.
+// The attended tokens are [begin, context_len): begin = context_len - sliding_window
+// under a sliding window (earlier blocks are never read: they may be released), else 0.
+__device__ __forceinline__ int attended_begin(int context_len, int sliding_window) {
+  return sliding_window > 0 ? max(0, context_len - sliding_window) : 0;
+}
+
+// kPartition == 0: the whole attended span, result to out.
+// kPartition > 0: tokens [begin + p * kPartition, begin + (p + 1) * kPartition),
+// normalized partial result to tmp_out plus its max logit and exp sum.
 template <typename T, int kHeadSize, int kPartition>
 __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, kHeadSize]
@@ -78,12 +84,12 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     const int32_t* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
     const int32_t* __restrict__ context_lens,  // [num_seqs]
     int num_kv_heads, int block_size, int max_blocks_per_seq, int max_partitions,
-    int64_t q_stride_seq, int64_t q_stride_head, float scale) {
+    int64_t q_stride_seq, int64_t q_stride_head, float scale, int sliding_window) {
   const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
   const int num_heads = gridDim.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int context_len = context_lens[seq];
-  const int start = kPartition > 0 ? part * kPartition : 0;
+  const int start = attended_begin(context_len, sliding_window) + (kPartition > 0 ? part * kPartition : 0);
   const int end = kPartition > 0 ? min(start + kPartition, context_len) : context_len;
   const int64_t row = static_cast<int64_t>(seq) * num_heads + head;
   if (start >= end) {
@@ -180,10 +186,11 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_reduce_kernel(
     const float* __restrict__ max_logits,    // [num_seqs, num_heads, max_partitions]
     const float* __restrict__ exp_sums,      // [num_seqs, num_heads, max_partitions]
     const int32_t* __restrict__ context_lens,  // [num_seqs]
-    int max_partitions) {
+    int max_partitions, int sliding_window) {
   const int head = blockIdx.x, seq = blockIdx.y;
   const int64_t row = static_cast<int64_t>(seq) * gridDim.x + head;
-  const int num_parts = (context_lens[seq] + kPartitionSize - 1) / kPartitionSize;
+  const int attended = context_lens[seq] - attended_begin(context_lens[seq], sliding_window);
+  const int num_parts = (attended + kPartitionSize - 1) / kPartitionSize;
   const float* ml = max_logits + row * max_partitions;
   const float* es = exp_sums + row * max_partitions;
   float global_max = -FLT_MAX;
@@ -214,7 +221,7 @@ cudaError_t launch_typed(void* out, const void* query, const void* key_cache, co
                          const int32_t* block_tables, const int32_t* context_lens, float* workspace, int num_seqs,
                          int num_heads, int num_kv_heads, int block_size, int max_blocks_per_seq,
                          int max_context_len, int64_t q_stride_seq, int64_t q_stride_head, float scale,
-                         cudaStream_t stream) {
+                         int sliding_window, cudaStream_t stream) {
   T* o = static_cast<T*>(out);
   const T* q = static_cast<const T*>(query);
   const T* k = static_cast<const T*>(key_cache);
@@ -224,7 +231,7 @@ cudaError_t launch_typed(void* out, const void* query, const void* key_cache, co
     const size_t shared = static_cast<size_t>(max_context_len > 0 ? max_context_len : 1) * sizeof(float);
     paged_attention_kernel<T, kHeadSize, 0><<<grid, kNumThreads, shared, stream>>>(
         o, nullptr, nullptr, nullptr, q, k, v, block_tables, context_lens, num_kv_heads, block_size,
-        max_blocks_per_seq, 1, q_stride_seq, q_stride_head, scale);
+        max_blocks_per_seq, 1, q_stride_seq, q_stride_head, scale, sliding_window);
     return cudaGetLastError();
   }
   const int parts = num_partitions(max_context_len);
@@ -235,11 +242,11 @@ cudaError_t launch_typed(void* out, const void* query, const void* key_cache, co
   const dim3 grid(num_heads, num_seqs, parts);
   paged_attention_kernel<T, kHeadSize, kPartitionSize><<<grid, kNumThreads, kPartitionSize * sizeof(float), stream>>>(
       o, tmp_out, max_logits, exp_sums, q, k, v, block_tables, context_lens, num_kv_heads, block_size,
-      max_blocks_per_seq, parts, q_stride_seq, q_stride_head, scale);
+      max_blocks_per_seq, parts, q_stride_seq, q_stride_head, scale, sliding_window);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   paged_attention_reduce_kernel<T, kHeadSize><<<dim3(num_heads, num_seqs), kNumThreads, 0, stream>>>(
-      o, tmp_out, max_logits, exp_sums, context_lens, parts);
+      o, tmp_out, max_logits, exp_sums, context_lens, parts, sliding_window);
   return cudaGetLastError();
 }
 
@@ -248,12 +255,12 @@ cudaError_t launch_head_size(int head_size, void* out, const void* query, const 
                              const void* value_cache, const int32_t* block_tables, const int32_t* context_lens,
                              float* workspace, int num_seqs, int num_heads, int num_kv_heads, int block_size,
                              int max_blocks_per_seq, int max_context_len, int64_t q_stride_seq,
-                             int64_t q_stride_head, float scale, cudaStream_t stream) {
+                             int64_t q_stride_head, float scale, int sliding_window, cudaStream_t stream) {
 #define PAGEDSERVE_HEAD_CASE(H)                                                                               \
   case H:                                                                                                     \
     return launch_typed<T, H>(out, query, key_cache, value_cache, block_tables, context_lens, workspace,      \
                               num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq,              \
-                              max_context_len, q_stride_seq, q_stride_head, scale, stream);
+                              max_context_len, q_stride_seq, q_stride_head, scale, sliding_window, stream);
   switch (head_size) {
     PAGEDSERVE_HEAD_CASE(64)
     PAGEDSERVE_HEAD_CASE(80)
@@ -268,7 +275,9 @@ cudaError_t launch_head_size(int head_size, void* out, const void* query, const 
 
 }  // namespace
 
-size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_size, int max_context_len) {
+size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_size, int max_context_len,
+                                       int sliding_window) {
+  if (sliding_window > 0 && sliding_window < max_context_len) max_context_len = sliding_window;
   if (!use_partitions(num_seqs, num_heads, max_context_len)) return 0;
   const size_t rows = static_cast<size_t>(num_seqs) * num_heads * num_partitions(max_context_len);
   return rows * (head_size + 2) * sizeof(float);
@@ -279,23 +288,25 @@ cudaError_t paged_attention_launch(DType dtype, void* out, const void* query, co
                                    const int32_t* context_lens, float* workspace, int num_seqs, int num_heads,
                                    int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
                                    int max_context_len, int64_t q_stride_seq, int64_t q_stride_head, float scale,
-                                   cudaStream_t stream) {
+                                   int sliding_window, cudaStream_t stream) {
   if (num_seqs == 0) return cudaSuccess;
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || sliding_window < 0) return cudaErrorInvalidValue;
+  // A query attends to at most sliding_window tokens: that bounds the partitions and the shared logits.
+  if (sliding_window > 0 && sliding_window < max_context_len) max_context_len = sliding_window;
   switch (dtype) {
     case DType::kFloat32:
       return launch_head_size<float>(head_size, out, query, key_cache, value_cache, block_tables, context_lens,
                                      workspace, num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq,
-                                     max_context_len, q_stride_seq, q_stride_head, scale, stream);
+                                     max_context_len, q_stride_seq, q_stride_head, scale, sliding_window, stream);
     case DType::kFloat16:
       return launch_head_size<__half>(head_size, out, query, key_cache, value_cache, block_tables, context_lens,
                                       workspace, num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq,
-                                      max_context_len, q_stride_seq, q_stride_head, scale, stream);
+                                      max_context_len, q_stride_seq, q_stride_head, scale, sliding_window, stream);
     case DType::kBFloat16:
       return launch_head_size<__nv_bfloat16>(head_size, out, query, key_cache, value_cache, block_tables,
                                              context_lens, workspace, num_seqs, num_heads, num_kv_heads, block_size,
                                              max_blocks_per_seq, max_context_len, q_stride_seq, q_stride_head,
-                                             scale, stream);
+                                             scale, sliding_window, stream);
   }
   return cudaErrorInvalidValue;
 }

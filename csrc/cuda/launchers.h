@@ -20,7 +20,8 @@ constexpr int kPartitionSize = 512;
 // Bytes of float32 scratch the attention launch needs (0 when the single-pass
 // kernel is chosen). max_context_len may be an upper bound (block table width
 // times block size), which avoids reading context_lens back to the host.
-size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_size, int max_context_len);
+size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_size, int max_context_len,
+                                       int sliding_window);
 
 cudaError_t paged_attention_launch(
     DType dtype,
@@ -32,7 +33,9 @@ cudaError_t paged_attention_launch(
     const int32_t* context_lens,  // [num_seqs]
     float* workspace,           // paged_attention_workspace_bytes(...) bytes, or null when that is 0
     int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
-    int max_context_len, int64_t q_stride_seq, int64_t q_stride_head, float scale, cudaStream_t stream);
+    int max_context_len, int64_t q_stride_seq, int64_t q_stride_head, float scale,
+    int sliding_window,         // > 0: each query sees its last sliding_window tokens; 0: the whole context
+    cudaStream_t stream);
 
 cudaError_t reshape_and_cache_launch(
     const void* key,            // [num_tokens, num_kv_heads, head_size] rows strided by key_stride_*

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../ops.h"
@@ -42,8 +43,10 @@ void paged_attention(
     const at::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
     const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq] int32
     const at::Tensor& context_lens,  // [num_seqs] int32
-    double scale) {
+    double scale,
+    int64_t sliding_window) {        // 0: the whole context
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "out/query must be [num_seqs, num_heads, head_size]");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: the whole context)");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "key/value cache must be [num_blocks, num_kv_heads, block_size, head_size]");
   TORCH_CHECK(out.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
@@ -60,7 +63,8 @@ void paged_attention(
   const int block_size = key_cache.size(2), max_blocks = tables.size(1);
   // The block table's width bounds every context: no device-to-host read.
   const int max_context_len = max_blocks * block_size;
-  const size_t ws_bytes = ck::paged_attention_workspace_bytes(num_seqs, num_heads, head_size, max_context_len);
+  const int window = static_cast<int>(std::min<int64_t>(sliding_window, max_context_len));
+  const size_t ws_bytes = ck::paged_attention_workspace_bytes(num_seqs, num_heads, head_size, max_context_len, window);
   at::Tensor workspace;
   if (ws_bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(ws_bytes / sizeof(float))}, query.options().dtype(at::kFloat));
@@ -70,7 +74,7 @@ void paged_attention(
                                    lens.data_ptr<int32_t>(), ws_bytes > 0 ? workspace.data_ptr<float>() : nullptr,
                                    num_seqs, num_heads, key_cache.size(1), head_size, block_size, max_blocks,
                                    max_context_len, query.stride(0), query.stride(1), static_cast<float>(scale),
-                                   c10::cuda::getCurrentCUDAStream().stream()),
+                                   window, c10::cuda::getCurrentCUDAStream().stream()),
         "paged_attention (head sizes 64, 80, 96, 128, 256)");
 }
 

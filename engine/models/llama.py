@@ -29,6 +29,7 @@ class ModelArgs:
     o_bias: bool  # Llama attention_bias only
     mlp_bias: bool
     tie_word_embeddings: bool
+    layer_windows: tuple[Optional[int], ...]  # per layer: its sliding window in tokens, None for full attention
 
     @classmethod
     def from_hf(cls, c) -> "ModelArgs":
@@ -49,7 +50,20 @@ class ModelArgs:
             o_bias=bias and not qwen2,
             mlp_bias=bool(getattr(c, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            layer_windows=sliding_windows(c),
         )
+
+
+def sliding_windows(c) -> tuple[Optional[int], ...]:
+    """Each layer's sliding window as HF applies it: Mistral's on every layer, Qwen2's on its
+    "sliding_attention" layer_types (only with use_sliding_window), None elsewhere."""
+    window = getattr(c, "sliding_window", None)
+    if not window or not getattr(c, "use_sliding_window", True):
+        return (None,) * c.num_hidden_layers
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types is None:
+        return (int(window),) * c.num_hidden_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
 def rope_inv_freq(hf_config, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
@@ -112,7 +126,7 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype, sliding_window: Optional[int]) -> None:
         super().__init__()
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
@@ -120,7 +134,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias, dtype=dtype)
         self.rotary = rotary
-        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, scale=a.head_dim**-0.5)
+        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, scale=a.head_dim**-0.5,
+                              sliding_window=sliding_window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:  # x: [num_tokens, hidden]; positions: [num_tokens]
@@ -149,10 +164,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype, sliding_window: Optional[int]) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(a, rotary, dtype)
+        self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(a, dtype)
 
@@ -185,10 +200,17 @@ class LlamaForCausalLM(nn.Module):
         inv_freq, scale = rope_inv_freq(hf_config, a.head_dim, max_len)
         self.rotary = RotaryEmbedding(inv_freq.to("cpu"), scale, max_len)
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype, w) for w in a.layer_windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
+
+    @property
+    def kv_window(self) -> Optional[int]:
+        """The window every layer attends within, if they all have one: cache blocks wholly before it are
+        never read again and may be released. None when any layer reads the whole context."""
+        windows = set(self.args.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (SmolLM2); call again after to_empty(), which unties them."""

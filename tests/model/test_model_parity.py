@@ -22,6 +22,8 @@ CONFIGS = {
     "llama-gqa": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB),
     "qwen2-attention-bias": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
+    # A window shorter than most prompts: prefill, prompt logprobs and decodes all cut at 8 tokens.
+    "mistral-window-8": lambda: MistralConfig(**TINY, sliding_window=8, tie_word_embeddings=False),
     "tied-embeddings": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=True),
     "rope-linear": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
     "rope-llama3": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={

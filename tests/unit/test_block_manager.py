@@ -1,9 +1,10 @@
-"""Block manager: exact free-block counts, copy-on-write, swap, prefix cache (hash chain, reuse, LRU eviction)."""
+"""Block manager: exact free-block counts, copy-on-write, swap, prefix cache (hash chain, reuse, LRU eviction),
+sliding-window release."""
 from collections import Counter
 
 import pytest
 
-from engine.block_manager import AllocStatus, BlockSpaceManager
+from engine.block_manager import RELEASED_BLOCK, AllocStatus, BlockSpaceManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -29,7 +30,7 @@ def computed(bm: BlockSpaceManager, group: SequenceGroup) -> None:
 
 def assert_ref_counts_match_tables(bm: BlockSpaceManager) -> None:
     for tables, alloc in ((bm.block_tables, bm.gpu), (bm.cpu_block_tables, bm.cpu)):
-        uses = Counter(b for table in tables.values() for b in table)
+        uses = Counter(b for seq_id, table in tables.items() for b in table[bm.num_released(seq_id):])
         for block in range(alloc.num_blocks):
             assert alloc.ref_count(block) == uses[block], f"block {block}"
         assert alloc.num_free() == alloc.num_blocks - len(uses)
@@ -332,3 +333,139 @@ def test_hash_chain_keys_a_block_by_its_whole_prefix():
     assert bm.gpu.lookup(hash_block(first, (5, 6, 7, 8)), (5, 6, 7, 8)) == table[1]
     assert bm.gpu.lookup(hash_block(NO_PREFIX_HASH, (5, 6, 7, 8)), (5, 6, 7, 8)) is None
     assert not bm.gpu.is_cached(table[2])  # the partial block is not promoted
+
+
+# -- sliding window: blocks wholly before every future query's window go back to the pool ----------------
+
+
+def decode_one(bm: BlockSpaceManager, group: SequenceGroup, token: int) -> list:
+    """One decode step as the scheduler runs it: a token appended, slots appended when a block is needed,
+    then the step's tokens computed. Returns the copy-on-write pairs."""
+    cows = []
+    for seq in group.get_seqs(SequenceStatus.RUNNING):
+        seq.append_token(token, {token: 0.0})
+    if bm.num_append_blocks(group.get_seqs(SequenceStatus.RUNNING)):
+        cows = [c for seq in group.get_seqs(SequenceStatus.RUNNING) if (c := bm.append_slots(seq)) is not None]
+    computed(bm, group)
+    return cows
+
+
+def test_window_releases_blocks_no_query_reads_again():
+    window = 6  # a query at position p sees tokens p - 5 .. p
+    bm = BlockSpaceManager(BS, 10, 0, watermark=0.0, sliding_window=window)
+    group = make_group("a", list(range(10)), 0)  # 3 blocks
+    bm.allocate(group)
+    run(group)
+    computed(bm, group)
+    seq = group.seqs[0]
+    assert bm.num_released(seq.seq_id) == 0 and bm.get_num_free_device_blocks() == 7
+    for token in range(10, 13):  # tokens 10, 11, 12: the third needs block 3
+        decode_one(bm, group, token)
+    # The step computing token 12 sees tokens 7 .. 12: block 0 (tokens 0-3) goes back, block 1 (4-7) stays.
+    assert bm.num_released(seq.seq_id) == 1
+    table = bm.get_block_table(seq)
+    assert len(table) == 4 and table[0] == RELEASED_BLOCK
+    assert bm.get_num_free_device_blocks() == 10 - 3
+    assert_ref_counts_match_tables(bm)
+    for token in range(13, 60):  # a long decode holds at most ceil(window / BS) + 1 blocks
+        decode_one(bm, group, token)
+        held = len(bm.get_block_table(seq)) - bm.num_released(seq.seq_id)
+        assert held <= -(-window // BS) + 1
+        first_needed = seq.get_len() - window  # the next step's query is token get_len(); it sees from here
+        assert bm.num_released(seq.seq_id) * BS <= first_needed
+        assert_ref_counts_match_tables(bm)
+    bm.free(seq)
+    assert bm.get_num_free_device_blocks() == 10 and bm.num_released(seq.seq_id) == 0
+    assert_ref_counts_match_tables(bm)
+
+
+def test_window_blocks_are_reused_by_another_sequence():
+    # 6 blocks: two long generations fit only because each gives back what its window left behind.
+    bm = BlockSpaceManager(BS, 6, 0, watermark=0.0, sliding_window=4)
+    groups = [make_group(str(i), [1, 2, 3], i) for i in range(2)]
+    for group in groups:
+        bm.allocate(group)
+        run(group)
+        computed(bm, group)
+    for token in range(40):  # 43 tokens each: 11 blocks each without the window
+        for group in groups:
+            assert bm.can_append_slots(group)
+            decode_one(bm, group, token)
+    assert_ref_counts_match_tables(bm)
+    for group in groups:
+        bm.free(group.seqs[0])
+    assert bm.get_num_free_device_blocks() == 6
+
+
+def test_window_fork_shares_only_held_blocks():
+    bm = BlockSpaceManager(BS, 12, 0, watermark=0.0, sliding_window=5)
+    group = make_group("a", list(range(14)), 0, best_of=2)  # 4 blocks
+    bm.allocate(group)
+    run(group)
+    computed(bm, group)
+    parent = group.seqs[0]
+    decode_one(bm, group, 14)
+    decode_one(bm, group, 15)
+    decode_one(bm, group, 16)  # token 16 needs block 4; the step sees 12 .. 16: blocks 0-2 released
+    assert bm.num_released(parent.seq_id) == 3
+    child = parent.fork(1)
+    group.add(child)
+    bm.fork(parent, child)
+    assert bm.num_released(child.seq_id) == 3 and bm.get_block_table(child) == bm.get_block_table(parent)
+    assert_ref_counts_match_tables(bm)
+    for token in range(17, 30):
+        decode_one(bm, group, token)
+        assert_ref_counts_match_tables(bm)
+    for seq in group.seqs:
+        bm.free(seq)
+    assert bm.get_num_free_device_blocks() == 12
+
+
+def test_window_swap_moves_only_held_blocks():
+    bm = BlockSpaceManager(BS, 10, 6, watermark=0.0, sliding_window=4)
+    group = make_group("a", list(range(15)), 0)  # 4 blocks
+    bm.allocate(group)
+    run(group)
+    computed(bm, group)
+    decode_one(bm, group, 15)
+    decode_one(bm, group, 16)  # block 4; the step sees 13 .. 16: blocks 0-2 released
+    seq = group.seqs[0]
+    assert bm.num_released(seq.seq_id) == 3
+    assert bm.can_swap_out(group)
+    out_map = bm.swap_out(group)
+    assert len(out_map) == 2  # the held blocks only
+    seq.status = SequenceStatus.SWAPPED
+    assert bm.get_num_free_device_blocks() == 10 and bm.get_num_free_cpu_blocks() == 4
+    assert_ref_counts_match_tables(bm)
+    in_map = bm.swap_in(group)
+    run(group)
+    assert sorted(in_map) == sorted(out_map.values())
+    table = bm.get_block_table(seq)
+    assert len(table) == 5 and table[:3] == [RELEASED_BLOCK] * 3 and set(table[3:]) == set(in_map.values())
+    assert bm.get_num_free_device_blocks() == 8 and bm.get_num_free_cpu_blocks() == 6
+    assert_ref_counts_match_tables(bm)
+    computed(bm, group)  # swap-in forgot the hashes; re-registering must skip the released entries
+    bm.free(seq)
+    assert bm.get_num_free_device_blocks() == 10
+
+
+def test_window_with_prefix_caching_keeps_released_blocks_findable():
+    bm = BlockSpaceManager(BS, 12, 0, watermark=0.0, enable_prefix_caching=True, sliding_window=4)
+    prompt = list(range(13))  # 3 full blocks + 1 token
+    first = make_group("a", prompt, 0)
+    bm.allocate(first)
+    run(first)
+    computed(bm, first)
+    cached = list(bm.get_block_table(first.seqs[0])[:3])
+    for token in range(100, 104):
+        decode_one(bm, first, token)
+    assert bm.num_released(0) == 3  # the step at token 16 sees 13 .. 16
+    assert all(bm.gpu.ref_count(b) == 0 and bm.gpu.is_cached(b) for b in cached)  # in the evictor, findable
+    second = make_group("b", prompt, 1)
+    bm.allocate(second)
+    run(second)
+    assert bm.get_block_table(second.seqs[0])[:3] == cached and second.seqs[0].num_computed_tokens == 12
+    assert_ref_counts_match_tables(bm)
+    for group in (first, second):
+        bm.free(group.seqs[0])
+    assert bm.get_num_free_device_blocks() == 12

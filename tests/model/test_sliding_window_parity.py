@@ -1,0 +1,83 @@
+"""A tiny random Mistral whose sliding window is shorter than its prompts: LLM.generate's greedy tokens equal
+HF's past the window, with the block manager releasing the blocks the window has left behind."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tiny_models import save_random_model
+
+WINDOW = 8  # tokens; the prompts run to 37 and the outputs to 37 + 24
+MAX_TOKENS = 24
+PROMPT_LENS = [5, 20, 37]
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory, default_model_dir):
+    config = MistralConfig(**TINY, sliding_window=WINDOW)
+    return save_random_model(config, tmp_path_factory.mktemp("mistral-window"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from a full forward per token: HF's own sliding-window mask, no cache involved."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(mistral_dir, prompts) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(str(mistral_dir), dtype=torch.float32, attn_implementation="eager")
+    assert model.config.sliding_window == WINDOW
+    expected = [hf_greedy(model.eval(), p, MAX_TOKENS) for p in prompts]
+    # The window must change HF's answer, or equal outputs would not show that ours applies it.
+    model.config.sliding_window = None
+    assert [hf_greedy(model, p, MAX_TOKENS) for p in prompts] != expected
+    return expected
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    # Prompt chunks read a cached prefix through the window; a second round hits the prefix cache.
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True),
+], ids=["plain", "chunked-prefix-cached"])
+def test_greedy_matches_hf_past_the_window(mistral_dir, prompts, hf_outputs, engine_kwargs):
+    llm = LLM(str(mistral_dir), device="cpu", dtype="float32", block_size=8, **engine_kwargs)
+    bm = llm.engine.scheduler.block_manager
+    assert bm.sliding_window == WINDOW
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2 if engine_kwargs else 1):
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        for prompt, out, expected in zip(prompts, outputs, hf_outputs):
+            assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
+        assert bm.get_num_free_device_blocks() == bm.num_device_blocks and not bm.block_tables
+
+
+def test_long_generation_holds_only_the_window(mistral_dir, prompts, hf_outputs):
+    """Decoding 24 tokens past a 37-token prompt keeps about WINDOW / block_size blocks, not all 8."""
+    llm = LLM(str(mistral_dir), device="cpu", dtype="float32", block_size=8)
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
+    engine.add_request("long", prompt_token_ids=prompts[-1],
+                       params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens = output.outputs[0].token_ids
+        held.append(bm.num_device_blocks - bm.get_num_free_device_blocks())
+    assert tokens == hf_outputs[-1]
+    assert max(held[-5:]) <= WINDOW // 8 + 2 < -(-(PROMPT_LENS[-1] + MAX_TOKENS) // 8)
