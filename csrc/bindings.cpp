@@ -73,18 +73,21 @@ void copy_blocks(
 }
 
 void swap_blocks(
-    const torch::Tensor& src,            // [num_src_blocks, ...]
-    torch::Tensor& dst,                  // [num_dst_blocks, ...]
-    const torch::Tensor& block_mapping)  // [num_pairs, 2] int64 (src, dst)
+    const std::vector<torch::Tensor>& srcs,  // num_tensors x [num_src_blocks, ...]
+    std::vector<torch::Tensor>& dsts,        // num_tensors x [num_dst_blocks, ...]
+    const torch::Tensor& block_mapping)      // [num_pairs, 2] int64 (src, dst)
 {
-  if (any_cuda({&src, &dst})) {
+  bool cuda = false;
+  for (const auto& t : srcs) cuda = cuda || t.is_cuda();
+  for (const auto& t : dsts) cuda = cuda || t.is_cuda();
+  if (cuda) {
 #ifdef PAGEDSERVE_CUDA
-    return pagedserve::cuda::swap_blocks(src, dst, block_mapping);
+    return pagedserve::cuda::swap_blocks(srcs, dsts, block_mapping);
 #else
     no_cuda("swap_blocks");
 #endif
   }
-  pagedserve::cpu::swap_blocks(src, dst, block_mapping);
+  pagedserve::cpu::swap_blocks(srcs, dsts, block_mapping);
 }
 
 // The elementwise ops are CPU-only: engine/ops.py sends CUDA tensors to the torch reference.
@@ -170,7 +173,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal GQA attention of one sequence's new tokens over its context (writes out)");
   m.def("reshape_and_cache", &reshape_and_cache, release_gil(), "write new K/V rows into their cache slots");
   m.def("copy_blocks", &copy_blocks, release_gil(), "copy blocks inside every layer's cache");
-  m.def("swap_blocks", &swap_blocks, release_gil(), "copy blocks between two cache tensors");
+  m.def("swap_blocks", &swap_blocks, release_gil(), "copy blocks from each source tensor to its destination");
   m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm of each row (writes out)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, release_gil(),
         "residual += input; input = rms_norm(residual), in place");

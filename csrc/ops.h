@@ -62,11 +62,12 @@ void copy_blocks(
     std::vector<at::Tensor>& value_caches,  // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
     const at::Tensor& block_mapping);       // [num_pairs, 2] int64 (src, dst)
 
-// Copies whole blocks from one cache tensor to another (device <-> host pool).
+// Copies whole blocks from each source tensor to its destination (device <->
+// host pool): every layer's key and value cache in one call.
 void swap_blocks(
-    const at::Tensor& src,             // [num_src_blocks, ...]
-    at::Tensor& dst,                   // [num_dst_blocks, ...] same block shape and dtype
-    const at::Tensor& block_mapping);  // [num_pairs, 2] int64 (src, dst)
+    const std::vector<at::Tensor>& srcs,  // num_tensors x [num_src_blocks, ...]
+    std::vector<at::Tensor>& dsts,        // num_tensors x [num_dst_blocks, ...] same block shape and dtype
+    const at::Tensor& block_mapping);     // [num_pairs, 2] int64 (src, dst)
 
 // ---- elementwise ops of a Llama block (CPU only; engine/ops.py runs the torch
 // reference for CUDA tensors). float32 and bfloat16, float32 math inside.
@@ -135,10 +136,13 @@ void copy_blocks(
     std::vector<at::Tensor>& value_caches,  // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
     const at::Tensor& block_mapping);       // [num_pairs, 2] int64 (src, dst)
 
+// All num_tensors * num_pairs copies in one cudaMemcpyBatchAsync (CUDA >= 12.8)
+// on the current stream, which must not be the legacy default stream for that;
+// there, and before 12.8, one cudaMemcpyAsync each.
 void swap_blocks(
-    const at::Tensor& src,             // [num_src_blocks, ...]
-    at::Tensor& dst,                   // [num_dst_blocks, ...]
-    const at::Tensor& block_mapping);  // [num_pairs, 2] int64 (src, dst), on the CPU
+    const std::vector<at::Tensor>& srcs,  // num_tensors x [num_src_blocks, ...]
+    std::vector<at::Tensor>& dsts,        // num_tensors x [num_dst_blocks, ...]
+    const at::Tensor& block_mapping);     // [num_pairs, 2] int64 (src, dst), on the CPU
 
 }  // namespace cuda
 #endif

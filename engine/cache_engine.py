@@ -54,6 +54,10 @@ class CacheEngine:
         self.device_cache: list[KVCache] = self._allocate(num_device_blocks, self.device, pin=False)
         pin = self.device.type == "cuda"  # pinned host memory makes device <-> host copies asynchronous
         self.cpu_cache: list[KVCache] = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin)
+        # CUDA: swaps run on a side stream, fenced by events against the compute stream both ways (see swap).
+        self._swap_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._compute_done = torch.cuda.Event() if self._swap_stream is not None else None
+        self._swaps_done = torch.cuda.Event() if self._swap_stream is not None else None
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
         shape = (num_blocks, *self.block_shape)
@@ -67,21 +71,33 @@ class CacheEngine:
     def _mapping(pairs) -> torch.Tensor:  # [num_pairs, 2] int64, on the CPU as engine.ops wants it
         return torch.tensor(list(pairs), dtype=torch.int64).view(-1, 2)
 
-    def swap_out(self, mapping: dict[int, int]) -> None:
-        """Device block -> host block, every layer."""
-        self._swap(self.device_cache, self.cpu_cache, mapping)
+    def swap(self, to_host: dict[int, int], to_device: dict[int, int]) -> None:
+        """Device -> host blocks ({device: host}), then host -> device blocks ({host: device}), every layer's
+        keys and values in one batched copy per direction.
 
-    def swap_in(self, mapping: dict[int, int]) -> None:
-        """Host block -> device block, every layer."""
-        self._swap(self.cpu_cache, self.device_cache, mapping)
-
-    def _swap(self, src: list[KVCache], dst: list[KVCache], mapping: dict[int, int]) -> None:
-        if not mapping:
+        In that order, so a device block swapped out and reused by a swap-in in one step leaves first. On CUDA
+        the copies run on the side stream: they start after the compute stream's work so far (a swap-out reads
+        what the last step wrote), and the compute stream's later work waits for them (the next step reads the
+        swapped-in blocks and may overwrite the swapped-out ones). Neither side blocks the host."""
+        if not to_host and not to_device:
             return
-        block_mapping = self._mapping(mapping.items())
-        for (src_k, src_v), (dst_k, dst_v) in zip(src, dst):
-            ops.swap_blocks(src_k, dst_k, block_mapping)
-            ops.swap_blocks(src_v, dst_v, block_mapping)
+        if self._swap_stream is None:
+            self._copy(self.device_cache, self.cpu_cache, to_host)
+            self._copy(self.cpu_cache, self.device_cache, to_device)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._compute_done.record(compute)
+        self._swap_stream.wait_event(self._compute_done)
+        with torch.cuda.stream(self._swap_stream):
+            self._copy(self.device_cache, self.cpu_cache, to_host)
+            self._copy(self.cpu_cache, self.device_cache, to_device)
+        self._swaps_done.record(self._swap_stream)
+        compute.wait_event(self._swaps_done)
+
+    def _copy(self, src: list[KVCache], dst: list[KVCache], mapping: dict[int, int]) -> None:
+        if mapping:
+            srcs, dsts = [t for kv in src for t in kv], [t for kv in dst for t in kv]  # every layer's k and v
+            ops.swap_blocks(srcs, dsts, self._mapping(mapping.items()))
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: (src, dst) device blocks, every layer."""
@@ -91,9 +107,9 @@ class CacheEngine:
         ops.copy_blocks([k for k, _ in self.device_cache], [v for _, v in self.device_cache], block_mapping)
 
     def apply(self, out) -> None:
-        """A SchedulerOutput's cache moves, in the order the scheduler decided them: swap out, swap in, copy."""
-        self.swap_out(out.blocks_to_swap_out)
-        self.swap_in(out.blocks_to_swap_in)
+        """A SchedulerOutput's cache moves, in the order the scheduler decided them: swap out, swap in, copy
+        (the copies run on the compute stream, after the swaps)."""
+        self.swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
         self.copy(out.blocks_to_copy)
 
 

@@ -118,22 +118,23 @@ def copy_blocks(
 
 
 def swap_blocks(
-    src: torch.Tensor,  # [num_src_blocks, num_kv_heads, block_size, head_size]
-    dst: torch.Tensor,  # [num_dst_blocks, num_kv_heads, block_size, head_size]
+    srcs: list[torch.Tensor],  # num_tensors x [num_src_blocks, num_kv_heads, block_size, head_size]
+    dsts: list[torch.Tensor],  # num_tensors x [num_dst_blocks, num_kv_heads, block_size, head_size]
     block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst), or {src: dst} / [(src, dst)]
 ) -> None:
-    """Copies blocks from one cache tensor into another (device <-> host swap pool).
+    """Copies blocks from each source tensor into its destination (device <-> host swap pool): every layer's
+    key and value cache in one call.
 
-    On CUDA the copies are queued on the current stream (use a side stream with
-    torch.cuda.stream(...) to overlap them); the host side should be pinned.
+    On CUDA all the copies go in one batched memcpy on the current stream (CacheEngine uses a side stream);
+    the host side must be pinned. The copies of one call run in no set order.
     """
     mapping = _as_mapping(block_mapping)
-    if mapping.numel() == 0:
+    if mapping.numel() == 0 or not srcs:
         return
-    module = _compiled_for(src, dst)
+    module = _compiled_for(*srcs[:1], *dsts[:1])
     if module is None:
-        return ref_swap_blocks(src, dst, mapping)
-    module.swap_blocks(src, dst, mapping)
+        return ref_swap_blocks(srcs, dsts, mapping)
+    module.swap_blocks(list(srcs), list(dsts), mapping)
 
 
 # Elementwise ops of a Llama block: one pass each, float32 math inside, on the calling thread for

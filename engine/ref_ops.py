@@ -163,10 +163,11 @@ def ref_copy_blocks(
 
 
 def ref_swap_blocks(
-    src: torch.Tensor,  # [num_src_blocks, ...]
-    dst: torch.Tensor,  # [num_dst_blocks, ...]
+    srcs: list[torch.Tensor],  # num_tensors x [num_src_blocks, ...]
+    dsts: list[torch.Tensor],  # num_tensors x [num_dst_blocks, ...]
     block_mapping: BlockMapping,  # [num_pairs, 2] int64 (src, dst)
 ) -> None:
-    """Plain-torch block copies between two tensors (any devices)."""
+    """Plain-torch block copies from each source tensor to its destination (any devices)."""
     for s, d in _as_mapping(block_mapping).tolist():
-        dst[d].copy_(src[s])
+        for src, dst in zip(srcs, dsts, strict=True):
+            dst[d].copy_(src[s])

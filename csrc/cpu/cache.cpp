@@ -107,30 +107,40 @@ void copy_blocks(
 }
 
 void swap_blocks(
-    const at::Tensor& src,            // [num_src_blocks, ...]
-    at::Tensor& dst,                  // [num_dst_blocks, ...] same block shape and dtype
-    const at::Tensor& block_mapping)  // [num_pairs, 2] int64 (src, dst)
+    const std::vector<at::Tensor>& srcs,  // num_tensors x [num_src_blocks, ...]
+    std::vector<at::Tensor>& dsts,        // num_tensors x [num_dst_blocks, ...] same block shape and dtype
+    const at::Tensor& block_mapping)      // [num_pairs, 2] int64 (src, dst)
 {
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "swap_blocks: src and dst dtypes differ");
-  TORCH_CHECK(src.dim() >= 1 && src.sizes().slice(1) == dst.sizes().slice(1), "swap_blocks: src and dst block shapes differ");
-  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "swap_blocks: tensors must be contiguous");
+  TORCH_CHECK(srcs.size() == dsts.size(), "swap_blocks: ", srcs.size(), " sources but ", dsts.size(), " destinations");
   TORCH_CHECK(block_mapping.scalar_type() == at::kLong && block_mapping.dim() == 2 && block_mapping.size(1) == 2,
               "block_mapping must be int64 [num_pairs, 2]");
-  const int64_t num_pairs = block_mapping.size(0);
-  if (num_pairs == 0) return;
+  const int64_t num_pairs = block_mapping.size(0), num_tensors = static_cast<int64_t>(srcs.size());
+  if (num_pairs == 0 || num_tensors == 0) return;
+  const at::Tensor& first = srcs[0];
+  for (int64_t t = 0; t < num_tensors; ++t) {
+    const at::Tensor &src = srcs[t], &dst = dsts[t];
+    TORCH_CHECK(src.scalar_type() == first.scalar_type() && dst.scalar_type() == first.scalar_type(),
+                "swap_blocks: every tensor must have one dtype");
+    TORCH_CHECK(src.dim() >= 1 && src.sizes() == first.sizes() && dst.sizes().slice(1) == first.sizes().slice(1) &&
+                    dst.size(0) == dsts[0].size(0),
+                "swap_blocks: every source (and every destination) must have one shape, with the same blocks");
+    TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "swap_blocks: tensors must be contiguous");
+  }
   const auto mapping = block_mapping.to(at::kCPU).contiguous();
   const int64_t* pairs = mapping.data_ptr<int64_t>();
   for (int64_t p = 0; p < num_pairs; ++p) {
-    TORCH_CHECK(pairs[2 * p] >= 0 && pairs[2 * p] < src.size(0), "source block ", pairs[2 * p], " is outside src");
-    TORCH_CHECK(pairs[2 * p + 1] >= 0 && pairs[2 * p + 1] < dst.size(0), "destination block ", pairs[2 * p + 1], " is outside dst");
+    TORCH_CHECK(pairs[2 * p] >= 0 && pairs[2 * p] < first.size(0), "source block ", pairs[2 * p], " is outside src");
+    TORCH_CHECK(pairs[2 * p + 1] >= 0 && pairs[2 * p + 1] < dsts[0].size(0), "destination block ", pairs[2 * p + 1],
+                " is outside dst");
   }
-  const int64_t block_bytes = src.numel() / src.size(0) * src.element_size();
-  const auto* src_ptr = static_cast<const char*>(src.data_ptr());
-  auto* dst_ptr = static_cast<char*>(dst.data_ptr());
+  const int64_t block_bytes = first.numel() / first.size(0) * first.element_size();
 
-#pragma omp parallel for schedule(static) if (num_pairs > 8)
-  for (int64_t p = 0; p < num_pairs; ++p) {
-    std::memcpy(dst_ptr + pairs[2 * p + 1] * block_bytes, src_ptr + pairs[2 * p] * block_bytes, block_bytes);
+#pragma omp parallel for collapse(2) schedule(static) if (num_tensors * num_pairs > 16)
+  for (int64_t t = 0; t < num_tensors; ++t) {
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      std::memcpy(static_cast<char*>(dsts[t].data_ptr()) + pairs[2 * p + 1] * block_bytes,
+                  static_cast<const char*>(srcs[t].data_ptr()) + pairs[2 * p] * block_bytes, block_bytes);
+    }
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "launchers.h"
 
@@ -111,15 +112,40 @@ cudaError_t copy_blocks_launch(const int64_t* key_cache_ptrs, const int64_t* val
   return cudaGetLastError();
 }
 
-cudaError_t swap_blocks_launch(const void* src, void* dst, const int64_t* block_mapping, int num_pairs,
-                               int64_t bytes_per_block, cudaStream_t stream) {
-  const char* src_bytes = static_cast<const char*>(src);
-  char* dst_bytes = static_cast<char*>(dst);
-  for (int p = 0; p < num_pairs; ++p) {
+cudaError_t swap_blocks_launch(const void* const* srcs, void* const* dsts, int num_tensors,
+                               const int64_t* block_mapping, int num_pairs, int64_t bytes_per_block,
+                               cudaStream_t stream) {
+  const size_t count = static_cast<size_t>(num_tensors) * num_pairs;
+  if (count == 0) return cudaSuccess;
+  std::vector<const void*> src_ptrs(count);
+  std::vector<void*> dst_ptrs(count);
+  for (int t = 0; t < num_tensors; ++t) {
+    for (int p = 0; p < num_pairs; ++p) {
+      const size_t i = static_cast<size_t>(t) * num_pairs + p;
+      src_ptrs[i] = static_cast<const char*>(srcs[t]) + block_mapping[2 * p] * bytes_per_block;
+      dst_ptrs[i] = static_cast<char*>(dsts[t]) + block_mapping[2 * p + 1] * bytes_per_block;
+    }
+  }
+#if CUDART_VERSION >= 12080
+  if (stream != nullptr && stream != cudaStreamLegacy) {  // the batch API refuses the legacy default stream
+    std::vector<size_t> sizes(count, static_cast<size_t>(bytes_per_block));
+    // One attribute set for every copy: read the sources in stream order (after the work queued before).
+    cudaMemcpyAttributes attrs = {};
+    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attrs.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attrs_idx = 0;
+#if CUDART_VERSION >= 13000
+    return cudaMemcpyBatchAsync(dst_ptrs.data(), src_ptrs.data(), sizes.data(), count, &attrs, &attrs_idx, 1, stream);
+#else
+    size_t fail_idx = 0;
+    return cudaMemcpyBatchAsync(dst_ptrs.data(), const_cast<void**>(src_ptrs.data()), sizes.data(), count, &attrs,
+                                &attrs_idx, 1, &fail_idx, stream);
+#endif
+  }
+#endif
+  for (size_t i = 0; i < count; ++i) {
     // cudaMemcpyDefault: unified addressing tells device from (pinned) host.
-    const cudaError_t err =
-        cudaMemcpyAsync(dst_bytes + block_mapping[2 * p + 1] * bytes_per_block,
-                        src_bytes + block_mapping[2 * p] * bytes_per_block, bytes_per_block, cudaMemcpyDefault, stream);
+    const cudaError_t err = cudaMemcpyAsync(dst_ptrs[i], src_ptrs[i], bytes_per_block, cudaMemcpyDefault, stream);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

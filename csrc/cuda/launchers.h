@@ -55,10 +55,16 @@ cudaError_t copy_blocks_launch(
     const int64_t* block_mapping,     // [num_pairs, 2] (src, dst) on the device
     int num_layers, int num_pairs, int64_t bytes_per_block, bool aligned16, cudaStream_t stream);
 
-// Async block copies between any two of device / pinned host memory, queued on stream.
+// Async block copies between any two of device / pinned host memory, queued on
+// stream: pair p of tensor t copies srcs[t] block mapping[p][0] to dsts[t] block
+// mapping[p][1]. All num_tensors * num_pairs copies go in one
+// cudaMemcpyBatchAsync (CUDA >= 12.8, stream not the legacy default stream),
+// else one cudaMemcpyAsync each. The copies of one call run in no set order:
+// a block must not be both a destination and a source in one call.
 cudaError_t swap_blocks_launch(
-    const void* src,                  // [num_src_blocks, ...]
-    void* dst,                        // [num_dst_blocks, ...]
+    const void* const* srcs,          // [num_tensors] host array of [num_src_blocks, ...] bases
+    void* const* dsts,                // [num_tensors] host array of [num_dst_blocks, ...] bases
+    int num_tensors,
     const int64_t* block_mapping,     // [num_pairs, 2] (src, dst) in host memory
     int num_pairs, int64_t bytes_per_block, cudaStream_t stream);
 

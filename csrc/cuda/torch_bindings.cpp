@@ -143,26 +143,40 @@ void copy_blocks(
 }
 
 void swap_blocks(
-    const at::Tensor& src,            // [num_src_blocks, ...]
-    at::Tensor& dst,                  // [num_dst_blocks, ...]
-    const at::Tensor& block_mapping)  // [num_pairs, 2] int64 (src, dst), on the CPU
+    const std::vector<at::Tensor>& srcs,  // num_tensors x [num_src_blocks, ...]
+    std::vector<at::Tensor>& dsts,        // num_tensors x [num_dst_blocks, ...]
+    const at::Tensor& block_mapping)      // [num_pairs, 2] int64 (src, dst), on the CPU
 {
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type(), "swap_blocks: src and dst dtypes differ");
-  TORCH_CHECK(src.dim() >= 1 && src.sizes().slice(1) == dst.sizes().slice(1), "swap_blocks: block shapes differ");
-  TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "swap_blocks: tensors must be contiguous");
+  TORCH_CHECK(srcs.size() == dsts.size(), "swap_blocks: ", srcs.size(), " sources but ", dsts.size(), " destinations");
   const auto mapping = block_mapping.to(at::kCPU, at::kLong).contiguous();
-  const int num_pairs = mapping.size(0);
-  if (num_pairs == 0) return;
+  const int num_pairs = mapping.size(0), num_tensors = srcs.size();
+  if (num_pairs == 0 || num_tensors == 0) return;
+  const at::Tensor &src0 = srcs[0], &dst0 = dsts[0];
+  std::vector<const void*> src_ptrs(num_tensors);
+  std::vector<void*> dst_ptrs(num_tensors);
+  for (int t = 0; t < num_tensors; ++t) {
+    const at::Tensor &src = srcs[t], &dst = dsts[t];
+    TORCH_CHECK(src.scalar_type() == src0.scalar_type() && dst.scalar_type() == src0.scalar_type(),
+                "swap_blocks: every tensor must have one dtype");
+    TORCH_CHECK(src.dim() >= 1 && src.sizes() == src0.sizes() && dst.sizes() == dst0.sizes() &&
+                    dst.sizes().slice(1) == src0.sizes().slice(1),
+                "swap_blocks: every source (and every destination) must have one shape, with the same blocks");
+    TORCH_CHECK(src.is_contiguous() && dst.is_contiguous(), "swap_blocks: tensors must be contiguous");
+    TORCH_CHECK(src.is_cuda() || src.is_pinned(), "swap_blocks: a host source must be pinned");
+    TORCH_CHECK(dst.is_cuda() || dst.is_pinned(), "swap_blocks: a host destination must be pinned");
+    src_ptrs[t] = src.data_ptr();
+    dst_ptrs[t] = dst.data_ptr();
+  }
   const int64_t* pairs = mapping.data_ptr<int64_t>();
   for (int p = 0; p < num_pairs; ++p) {
-    TORCH_CHECK(pairs[2 * p] >= 0 && pairs[2 * p] < src.size(0), "source block ", pairs[2 * p], " is outside src");
-    TORCH_CHECK(pairs[2 * p + 1] >= 0 && pairs[2 * p + 1] < dst.size(0), "destination block ", pairs[2 * p + 1],
+    TORCH_CHECK(pairs[2 * p] >= 0 && pairs[2 * p] < src0.size(0), "source block ", pairs[2 * p], " is outside src");
+    TORCH_CHECK(pairs[2 * p + 1] >= 0 && pairs[2 * p + 1] < dst0.size(0), "destination block ", pairs[2 * p + 1],
                 " is outside dst");
   }
-  const auto device = src.is_cuda() ? src.device() : dst.device();
+  const auto device = src0.is_cuda() ? src0.device() : dst0.device();
   const c10::cuda::CUDAGuard guard(device);
-  const int64_t bytes_per_block = src.numel() / src.size(0) * src.element_size();
-  check(ck::swap_blocks_launch(src.data_ptr(), dst.data_ptr(), pairs, num_pairs, bytes_per_block,
+  const int64_t bytes_per_block = src0.numel() / src0.size(0) * src0.element_size();
+  check(ck::swap_blocks_launch(src_ptrs.data(), dst_ptrs.data(), num_tensors, pairs, num_pairs, bytes_per_block,
                                c10::cuda::getCurrentCUDAStream(device.index()).stream()),
         "swap_blocks");
 }

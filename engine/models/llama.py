@@ -126,7 +126,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype, sliding_window: Optional[int]) -> None:
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 sliding_window: Optional[int]) -> None:
         super().__init__()
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
@@ -164,7 +165,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype, sliding_window: Optional[int]) -> None:
+    def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 sliding_window: Optional[int]) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window)

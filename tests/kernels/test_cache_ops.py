@@ -77,10 +77,10 @@ def test_swap_out_device_to_host(device, dtype):
     ref_host = host.clone()
     before = host.clone()
     mapping = {6: 0, 2: 3}  # gpu block -> cpu block; reversed it would index past the pool
-    ops.swap_blocks(dev, host, mapping)
+    ops.swap_blocks([dev], [host], mapping)
     if device == "cuda":
         torch.cuda.synchronize()
-    ref_ops.ref_swap_blocks(dev, ref_host, mapping)
+    ref_ops.ref_swap_blocks([dev], [ref_host], mapping)
     assert torch.equal(host, ref_host)
     assert torch.equal(host[0], dev[6].cpu()) and torch.equal(host[3], dev[2].cpu())
     assert torch.equal(host[[1, 2]], before[[1, 2]])
@@ -93,10 +93,10 @@ def test_swap_in_host_to_device(device, dtype):
     ref_dev = dev.clone()
     before = dev.clone()
     mapping = torch.tensor([[0, 5], [3, 1]], dtype=torch.int64)  # cpu block -> gpu block
-    ops.swap_blocks(host, dev, mapping)
+    ops.swap_blocks([host], [dev], mapping)
     if device == "cuda":
         torch.cuda.synchronize()
-    ref_ops.ref_swap_blocks(host, ref_dev, mapping)
+    ref_ops.ref_swap_blocks([host], [ref_dev], mapping)
     assert torch.equal(dev, ref_dev)
     assert torch.equal(dev[5].cpu(), host[0]) and torch.equal(dev[1].cpu(), host[3])
     assert torch.equal(dev[[0, 2, 3, 4, 6]], before[[0, 2, 3, 4, 6]])
@@ -106,4 +106,30 @@ def test_swap_rejects_a_block_outside_the_pool():
     gen = torch.Generator().manual_seed(2)
     dev, host = _pools("cpu", torch.float32, gen)
     with pytest.raises(RuntimeError, match="outside"):
-        ops.swap_blocks(dev, host, {2: 4})  # the host pool has blocks 0..3
+        ops.swap_blocks([dev], [host], {2: 4})  # the host pool has blocks 0..3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swap_every_layer_in_one_call(device, dtype):
+    """Keys and values of three layers, both directions: each tensor gets its own blocks, nothing else moves."""
+    gen = torch.Generator().manual_seed(3)
+    pools = [_pools(device, dtype, gen) for _ in range(6)]  # 3 layers x (key, value)
+    devs, hosts = [d for d, _ in pools], [h for _, h in pools]
+    dev_before, host_before = [d.clone() for d in devs], [h.clone() for h in hosts]
+    ops.swap_blocks(devs, hosts, {6: 0, 2: 3})
+    ops.swap_blocks(hosts, devs, {1: 5})  # a host block the first call did not write
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for dev, host, d0, h0 in zip(devs, hosts, dev_before, host_before):
+        assert torch.equal(host[0], d0[6].cpu()) and torch.equal(host[3], d0[2].cpu())
+        assert torch.equal(host[[1, 2]], h0[[1, 2]])
+        assert torch.equal(dev[5].cpu(), h0[1]) and torch.equal(dev[[0, 1, 2, 3, 4, 6]], d0[[0, 1, 2, 3, 4, 6]])
+
+
+def test_swap_rejects_mismatched_lists():
+    dev, host = _pools("cpu", torch.float32, torch.Generator().manual_seed(4))
+    with pytest.raises(RuntimeError, match="sources but"):
+        ops.swap_blocks([dev, dev], [host], {0: 0})
+    with pytest.raises(RuntimeError, match="one shape"):
+        ops.swap_blocks([dev, dev[:3]], [host, host], {0: 0})

@@ -86,7 +86,8 @@ def test_reference_decode_window_equals_sdpa_over_the_last_tokens():
         blocks = tables[i].long()
         k = key_cache[blocks].transpose(0, 1).reshape(2, -1, 64)[:, n - 10:n]  # [kv_heads, 10, head_size]
         v = value_cache[blocks].transpose(0, 1).reshape(2, -1, 64)[:, n - 10:n]
-        expect = F.scaled_dot_product_attention(query[i].unsqueeze(1), k.repeat_interleave(2, 0), v.repeat_interleave(2, 0))
+        expect = F.scaled_dot_product_attention(
+            query[i].unsqueeze(1), k.repeat_interleave(2, 0), v.repeat_interleave(2, 0))
         torch.testing.assert_close(ref[i], expect.squeeze(1), atol=1e-5, rtol=1e-5)
 
 

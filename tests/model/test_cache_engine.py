@@ -32,12 +32,12 @@ def test_layout_is_one_key_and_value_tensor_per_layer():
 def test_swap_out_then_in_restores_the_bytes():
     engine = _filled_engine()
     before = [(k.clone(), v.clone()) for k, v in engine.device_cache]
-    engine.swap_out({3: 0, 7: 5})
+    engine.swap({3: 0, 7: 5}, {})
     for (k, v), (k0, v0) in zip(engine.cpu_cache, before):
         assert torch.equal(k[0], k0[3]) and torch.equal(v[5], v0[7])
     for k, v in engine.device_cache:  # the device blocks are reused by others meanwhile
         k[3].zero_(), v[7].zero_()
-    engine.swap_in({0: 1, 5: 9})
+    engine.swap({}, {0: 1, 5: 9})
     for (k, v), (k0, v0) in zip(engine.device_cache, before):
         assert torch.equal(k[1], k0[3]) and torch.equal(v[1], v0[3])
         assert torch.equal(k[9], k0[7]) and torch.equal(v[9], v0[7])
@@ -78,3 +78,35 @@ def test_max_model_len_that_cannot_fit_is_refused_naming_the_flag(fields, flag):
     with pytest.raises(ValueError) as err:
         determine_num_blocks(config, HF_CONFIG, torch.float32, torch.device("cpu"))
     assert flag in str(err.value) and "max_model_len (100)" in str(err.value) and "--max-model-len" in str(err.value)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_block_swapped_out_and_in_in_one_step_is_fenced_both_ways(device):
+    """Device block 1 is written by the last step, swapped out, and reused by a swap-in in the same step,
+    which this step reads at once. On CUDA the swaps run on the side stream: the compute stream is held
+    up before the write (so a swap-out that ran early would miss it) and the side stream before the
+    swap-in (so a read that ran early would see stale bytes)."""
+    engine = CacheEngine(8, HF_CONFIG, 10, 6, torch.device(device), torch.float32)
+    for k, v in engine.device_cache + engine.cpu_cache:
+        k.zero_(), v.zero_()
+    for k, v in engine.cpu_cache:
+        k[2].fill_(2.0), v[2].fill_(2.0)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # the compute stream is busy; the write below comes after
+    for k, v in engine.device_cache:  # "the last step" writes block 1 on the compute stream
+        k[1].fill_(1.0), v[1].fill_(1.0)
+    if cuda:
+        with torch.cuda.stream(engine._swap_stream):
+            torch.cuda._sleep(100_000_000)  # the side stream is late to swap in
+    engine.apply(SchedulerOutput(blocks_to_swap_out={1: 0}, blocks_to_swap_in={2: 1}, blocks_to_copy=[(1, 3)]))
+    seen = [(k[1] + 0, v[3] + 0) for k, v in engine.device_cache]  # "this step" reads at once
+    if cuda:
+        torch.cuda.synchronize()
+    for (k1, v3), (host_k, host_v) in zip(seen, engine.cpu_cache):
+        assert bool((host_k[0] == 1).all() and (host_v[0] == 1).all())  # left after the write, before the reuse
+        assert bool((k1 == 2).all() and (v3 == 2).all())  # swapped in (then copied) before the read
