@@ -1,18 +1,35 @@
 """One pool of KV cache blocks as plain ints: ref counts, a free list, and an optional prefix cache."""
 from __future__ import annotations
 
+import hashlib
 import heapq
+import itertools
+from array import array
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
-# The hash of a full block: its tokens chained with the hash of everything before it.
-BlockHash = int
-NO_PREFIX_HASH: BlockHash = 0  # the chain's seed for a sequence's first block
+# A full block's key in the prefix cache: a digest of its parent's key and its own tokens.
+BlockHash = bytes
+NO_PREFIX_HASH: BlockHash = b""  # the chain's seed for a sequence's first block
+HashFn = Callable[[bytes], bytes]
 
 
-def hash_block(prefix_hash: BlockHash, token_ids: tuple[int, ...]) -> BlockHash:
-    """Chained hash: equal hashes mean an equal prefix, so one lookup per block suffices."""
-    return hash((prefix_hash, token_ids))
+def sha256(data: bytes) -> bytes:
+    """The default block hash (as vLLM's since CVE-2025-25183): collisions cannot be crafted."""
+    return hashlib.sha256(data).digest()
+
+
+def hash_block(prefix_hash: BlockHash, token_ids: tuple[int, ...], hash_fn: HashFn = sha256) -> BlockHash:
+    """hash_fn(parent digest + token ids as int64): the parent's digest has a fixed length, so the
+    encoding is unambiguous and equal digests mean an equal prefix unless hash_fn collides."""
+    return hash_fn(prefix_hash + array("q", token_ids).tobytes())
+
+
+class _CacheEntry(NamedTuple):
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+    parent_id: int  # the entry id of the block before this one (0: the sequence's first block)
+    entry_id: int  # unique per registration, never reused
 
 
 class BlockAllocator:
@@ -22,23 +39,27 @@ class BlockAllocator:
     chained hash. When its ref count drops to 0 it is not wiped: it waits in an
     LRU evictor, still findable, until a fresh block is needed and nothing
     uncached is free.
+
+    A lookup never trusts the hash alone: it hits only a block holding the same
+    tokens whose parent is the very registration the caller matched one block
+    before, so a hit means the whole prefix is equal token for token, whatever
+    hash_fn is (a collision is a miss, never another prompt's K/V).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False, hash_fn: HashFn = sha256) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.hash_fn = hash_fn
         # Read directly by the block manager's per-step checks (a method call per block costs too much there).
         self.ref_counts = [0] * num_blocks
-        # Ref 0 and holding nothing worth keeping; a min-heap: the lowest free id is handed out first. The pools
-        # are torch.empty, whose pages the OS commits on first write: lowest-first keeps the written part (the
-        # RSS) at the most blocks ever in use at once, and a prompt's blocks in ascending order. A queue cycled
-        # through the whole pool: with the default 4 GiB pools the RSS grew 760 MiB/min (docs/reliability.md).
+        # Ref 0 and holding nothing worth keeping. A min-heap, lowest id first: the pools are torch.empty, whose
+        # pages the OS commits on first write, so the resident part stays at the most blocks ever in use at
+        # once (docs/reliability.md, "RSS grew under heavier load").
         self._free: list[int] = list(range(num_blocks))  # sorted, so already a heap
         self._evictor: OrderedDict[int, None] = OrderedDict()  # ref 0, cached; oldest first
-        self._hash_of: dict[int, BlockHash] = {}
+        self._entry_of: dict[int, _CacheEntry] = {}  # cached block -> what it holds
         self._block_of: dict[BlockHash, int] = {}
-        # The tokens of each cached block: a lookup compares them, so a hash collision is a miss, not wrong K/V.
-        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._entry_ids = itertools.count(1)
 
     def num_free(self) -> int:
         return len(self._free) + len(self._evictor)
@@ -68,17 +89,24 @@ class BlockAllocator:
         assert count > 0, f"double free of block {block}"
         self.ref_counts[block] = count - 1
         if count == 1:
-            if block in self._hash_of:
+            if block in self._entry_of:
                 self._evictor[block] = None
             else:
                 heapq.heappush(self._free, block)
 
     # -- prefix cache --------------------------------------------------------------
 
-    def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Optional[int]:
-        """The cached block holding exactly these tokens after this prefix, or None."""
+    def hash_block(self, prefix_hash: BlockHash, token_ids: tuple[int, ...]) -> BlockHash:
+        return hash_block(prefix_hash, token_ids, self.hash_fn)
+
+    def lookup(self, block_hash: BlockHash, parent: Optional[int], token_ids: tuple[int, ...]) -> Optional[int]:
+        """The cached block holding exactly these tokens right after `parent` (the block this lookup's caller hit
+        one position before; None for a first block), or None."""
         block = self._block_of.get(block_hash)
-        if block is None or self._tokens_of[block] != token_ids:
+        if block is None:
+            return None
+        entry = self._entry_of[block]
+        if entry.token_ids != token_ids or entry.parent_id != self._parent_id(parent):
             return None
         return block
 
@@ -88,20 +116,27 @@ class BlockAllocator:
             del self._evictor[block]
         self.ref_counts[block] += 1
 
-    def register(self, block: int, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
-        """Make a computed full block findable. The first block with given contents wins; duplicates stay private."""
-        if not self.enable_caching or block_hash in self._block_of or block in self._hash_of:
+    def register(self, block: int, block_hash: BlockHash, parent: Optional[int], token_ids: tuple[int, ...]) -> None:
+        """Make a computed full block findable; `parent` is the block before it in the sequence (None: first).
+
+        The first block with given contents wins; duplicates, and blocks whose parent is not cached, stay private.
+        """
+        if not self.enable_caching or block_hash in self._block_of or block in self._entry_of:
             return
-        self._hash_of[block] = block_hash
+        if parent is not None and parent not in self._entry_of:
+            return
+        self._entry_of[block] = _CacheEntry(block_hash, token_ids, self._parent_id(parent), next(self._entry_ids))
         self._block_of[block_hash] = block
-        self._tokens_of[block] = token_ids
 
     def is_cached(self, block: int) -> bool:
-        return block in self._hash_of
+        return block in self._entry_of
 
     def num_cached(self) -> int:
-        return len(self._hash_of)
+        return len(self._entry_of)
+
+    def _parent_id(self, parent: Optional[int]) -> int:
+        return 0 if parent is None else self._entry_of[parent].entry_id
 
     def _forget(self, block: int) -> None:
-        del self._block_of[self._hash_of.pop(block)]
-        del self._tokens_of[block]
+        # Blocks registered after this one keep its entry id, which no later registration reuses: they miss.
+        del self._block_of[self._entry_of.pop(block).block_hash]

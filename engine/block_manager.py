@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-from engine.block_allocator import NO_PREFIX_HASH, BlockAllocator, BlockHash, hash_block
+from engine.block_allocator import NO_PREFIX_HASH, BlockAllocator, BlockHash, HashFn, sha256
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[int]
@@ -46,6 +46,7 @@ class BlockSpaceManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         sliding_window: Optional[int] = None,
+        block_hash_fn: HashFn = sha256,
     ) -> None:
         self.block_size = block_size
         # Every layer attends within the last sliding_window tokens: blocks wholly before that are released.
@@ -55,7 +56,7 @@ class BlockSpaceManager:
         self.enable_prefix_caching = enable_prefix_caching
         # Blocks kept free at admission so running sequences can grow without preempting at once.
         self.watermark_blocks = watermark_blocks(num_device_blocks, watermark)
-        self.gpu = BlockAllocator(num_device_blocks, enable_caching=enable_prefix_caching)
+        self.gpu = BlockAllocator(num_device_blocks, enable_caching=enable_prefix_caching, hash_fn=block_hash_fn)
         self.cpu = BlockAllocator(num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}  # seq_id -> device blocks
         self.cpu_block_tables: dict[int, BlockTable] = {}  # seq_id -> swap blocks, while SWAPPED
@@ -127,8 +128,8 @@ class BlockSpaceManager:
         prefix_hash = NO_PREFIX_HASH
         for i in range((len(token_ids) - 1) // size):
             chunk = tuple(token_ids[i * size:(i + 1) * size])
-            prefix_hash = hash_block(prefix_hash, chunk)
-            block = self.gpu.lookup(prefix_hash, chunk)
+            prefix_hash = self.gpu.hash_block(prefix_hash, chunk)
+            block = self.gpu.lookup(prefix_hash, blocks[-1] if blocks else None, chunk)
             if block is None:
                 break
             hashes.append(prefix_hash)
@@ -296,10 +297,13 @@ class BlockSpaceManager:
             prefix_hash = hashes[-1] if hashes else NO_PREFIX_HASH
             for i in range(len(hashes), num_full):
                 chunk = tuple(token_ids[i * size:(i + 1) * size])
-                prefix_hash = hash_block(prefix_hash, chunk)
+                prefix_hash = self.gpu.hash_block(prefix_hash, chunk)
                 hashes.append(prefix_hash)
-                if i >= released:  # a released block is no longer this sequence's to register
-                    self.gpu.register(table[i], prefix_hash, chunk)
+                # A block registers under its parent's identity: the first one, and one whose parent is held.
+                if i == 0 and not released:
+                    self.gpu.register(table[i], prefix_hash, None, chunk)
+                elif i > released:
+                    self.gpu.register(table[i], prefix_hash, table[i - 1], chunk)
 
     # -- figures -------------------------------------------------------------------
 

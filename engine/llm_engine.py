@@ -69,9 +69,8 @@ class LLMEngine:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.sampler = Sampler(eos_token_id=self.eos_token_id)
         self.seq_counter = itertools.count()
-        self.output_processor = OutputProcessor(
-            self.scheduler, self.tokenizer, config.max_model_len, self.eos_token_id, self.seq_counter
-        )
+        self.output_processor = OutputProcessor(self.tokenizer, config.max_model_len, self.eos_token_id,
+                                                self.seq_counter)
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._preempted_recompute = 0
@@ -152,7 +151,7 @@ class LLMEngine:
         self._generation_tokens_total += sum(len(seqs) for _, seqs in rows)
 
         for (group, _), group_samples in zip(rows, samples):
-            self.output_processor.process(group, group_samples)
+            self.scheduler.apply(self.output_processor.process(group, group_samples))
             if group.is_finished():
                 group.metrics.finished_time = time.monotonic()
             outputs.append(self.output_processor.to_request_output(group))

@@ -1,4 +1,4 @@
-"""After the sampler: fork, append, detokenize, stop, free; and the RequestOutput of a group."""
+"""After the sampler: fork, append, detokenize, stop; what to fork and free; and the RequestOutput of a group."""
 from __future__ import annotations
 
 import time
@@ -7,6 +7,7 @@ from typing import Iterator, Optional
 from engine.detokenizer import Detokenizer
 from engine.sampler import Sample
 from engine.sampling_params import SamplingParams
+from engine.scheduler import BlockActions
 from engine.sequence import (
     CompletionOutput,
     RequestOutput,
@@ -25,12 +26,23 @@ def beam_score(seq: Sequence, length_penalty: float) -> float:
     return seq.cumulative_logprob / (max(seq.get_output_len(), 1) ** length_penalty)
 
 
-class OutputProcessor:
-    """Applies one step's samples to a group: forks, beams, stop checks, frees finished sequences."""
+def _keep(group: SequenceGroup, kept: list[tuple[Sequence, Sequence]], actions: BlockActions) -> None:
+    """Kept (child, parent) pairs: a new child joins the group and, if it goes on, shares its parent's blocks;
+    a finished sequence gives its blocks back."""
+    for seq, parent in kept:
+        if seq is not parent:
+            group.add(seq)
+            if not seq.is_finished():
+                actions.forks.append((parent, seq))
+        elif seq.is_finished():
+            actions.frees.append(seq)
 
-    def __init__(self, scheduler, tokenizer, max_model_len: int, eos_token_id: Optional[int],
+
+class OutputProcessor:
+    """Applies one step's samples to a group: forks, beams, stop checks; returns the blocks to fork and free."""
+
+    def __init__(self, tokenizer, max_model_len: int, eos_token_id: Optional[int],
                  seq_counter: Iterator[int]) -> None:
-        self.scheduler = scheduler
         self.detokenizer = Detokenizer(tokenizer)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -38,7 +50,10 @@ class OutputProcessor:
 
     # ---- one step ----------------------------------------------------------
 
-    def process(self, group: SequenceGroup, samples: list[Sample]) -> None:
+    def process(self, group: SequenceGroup, samples: list[Sample]) -> BlockActions:
+        """Append the samples (forking where a sequence got several), check stops; the group's statuses and
+        members change here, its blocks only when the engine applies the returned actions."""
+        actions = BlockActions()
         if group.metrics.first_token_time is None and samples:
             group.metrics.first_token_time = time.monotonic()
         params = group.sampling_params
@@ -56,7 +71,7 @@ class OutputProcessor:
                 # A beam no candidate extends: it is dropped for good.
                 parent.status = SequenceStatus.FINISHED_ABORTED
                 group.remove(parent.seq_id)
-                self.scheduler.free_seq(parent)
+                actions.frees.append(parent)
                 continue
             for sample in mine[:-1]:
                 child = parent.fork(next(self.seq_counter))
@@ -70,16 +85,10 @@ class OutputProcessor:
             self._check_stop(seq, params, len(new_text))
 
         if params.use_beam_search:
-            self._select_beams(group, children, already_finished)
-            return
-        for seq, parent in children:
-            if seq is not parent:
-                group.add(seq)
-                if not seq.is_finished():
-                    self.scheduler.fork_seq(parent, seq)
-        for seq, parent in children:
-            if seq is parent and seq.is_finished():
-                self.scheduler.free_seq(seq)
+            self._select_beams(group, children, already_finished, actions)
+        else:
+            _keep(group, children, actions)
+        return actions
 
     def _check_stop(self, seq: Sequence, params: SamplingParams, new_char_count: int) -> None:
         """Stop conditions in vLLM's order: stop token / EOS, stop strings, then the length caps."""
@@ -121,7 +130,7 @@ class OutputProcessor:
     # ---- beam search -------------------------------------------------------
 
     def _select_beams(self, group: SequenceGroup, children: list[tuple[Sequence, Sequence]],
-                      already_finished: list[Sequence]) -> None:
+                      already_finished: list[Sequence], actions: BlockActions) -> None:
         """vLLM v0.2's beam step: keep the best beam_width finished and running hypotheses."""
         params = group.sampling_params
         width, lp = params.best_of, params.length_penalty
@@ -154,19 +163,12 @@ class OutputProcessor:
             selected.extend(running[:width])
             unselected.extend(running[width:])
 
-        for seq, parent in selected:
-            if seq is not parent:
-                group.add(seq)
-                if not seq.is_finished():
-                    self.scheduler.fork_seq(parent, seq)
-        for seq, parent in selected:
-            if seq is parent and seq.is_finished():
-                self.scheduler.free_seq(seq)
+        _keep(group, selected, actions)
         for seq, parent in unselected:
             if seq is parent:
                 # A parent no longer wanted; its forked children (if any) hold their own blocks.
                 group.remove(seq.seq_id)
-                self.scheduler.free_seq(seq)
+                actions.frees.append(seq)
 
     def _can_stop(self, params: SamplingParams, best_running: Sequence, worst_finished: Sequence) -> bool:
         """HF's early_stopping: True stops once beam_width hypotheses exist; False / "never" compare scores."""

@@ -25,6 +25,14 @@ class ScheduledGroup(NamedTuple):
 
 
 @dataclass
+class BlockActions:
+    """What a step's outputs ask of the blocks (the output processor decides, the engine applies them)."""
+
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, child): child shares its blocks
+    frees: list[Sequence] = field(default_factory=list)  # sequences whose blocks are no longer needed
+
+
+@dataclass
 class SchedulerOutput:
     """What one step runs, and the cache operations to apply first: swap out, swap in, copy."""
 
@@ -367,6 +375,13 @@ class Scheduler:
                     seq.num_computed_tokens = seq.get_len() if samples else seq.num_computed_tokens + num_tokens
             if caching:
                 self.block_manager.mark_blocks_as_computed(group)
+
+    def apply(self, actions: BlockActions) -> None:
+        """Forks first (a child may share a parent freed in the same step), then frees."""
+        for parent, child in actions.forks:
+            self.block_manager.fork(parent, child)
+        for seq in actions.frees:
+            self.block_manager.free(seq)
 
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent, child)

@@ -319,9 +319,13 @@ def test_lru_eviction_ties_evict_the_block_with_more_tokens_first():
 
 
 def test_hash_chain_keys_a_block_by_its_whole_prefix():
+    import hashlib
+    from array import array
+
     from engine.block_allocator import NO_PREFIX_HASH, hash_block
 
     first = hash_block(NO_PREFIX_HASH, (1, 2, 3, 4))
+    assert first == hashlib.sha256(array("q", (1, 2, 3, 4)).tobytes()).digest()  # sha256 of the int64 tokens
     assert hash_block(first, (5, 6, 7, 8)) != hash_block(hash_block(NO_PREFIX_HASH, (0, 2, 3, 4)), (5, 6, 7, 8))
     bm = prefix_manager()
     a = make_group("a", list(range(1, 10)), 0)
@@ -329,10 +333,33 @@ def test_hash_chain_keys_a_block_by_its_whole_prefix():
     run(a)
     computed(bm, a)  # promotion: the 2 full blocks become findable under their chained hashes
     table = bm.get_block_table(a.seqs[0])
-    assert bm.gpu.lookup(first, (1, 2, 3, 4)) == table[0]
-    assert bm.gpu.lookup(hash_block(first, (5, 6, 7, 8)), (5, 6, 7, 8)) == table[1]
-    assert bm.gpu.lookup(hash_block(NO_PREFIX_HASH, (5, 6, 7, 8)), (5, 6, 7, 8)) is None
+    assert bm.gpu.lookup(first, None, (1, 2, 3, 4)) == table[0]
+    assert bm.gpu.lookup(hash_block(first, (5, 6, 7, 8)), table[0], (5, 6, 7, 8)) == table[1]
+    assert bm.gpu.lookup(hash_block(NO_PREFIX_HASH, (5, 6, 7, 8)), None, (5, 6, 7, 8)) is None
     assert not bm.gpu.is_cached(table[2])  # the partial block is not promoted
+
+
+def test_a_hash_collision_never_shares_another_prompts_kv():
+    """With a hash that ignores the parent digest, two prompts that differ only in their first block collide on
+    the second (what the old Python hash() allowed an attacker to craft). The lookup must miss, not hand out
+    K/V computed after another prefix."""
+    token_bytes = BS * 8
+    bm = BlockSpaceManager(BS, 16, 0, watermark=0.0, enable_prefix_caching=True,
+                           block_hash_fn=lambda data: data[-token_bytes:])  # the block's own tokens only
+    victim = make_group("victim", [1, 2, 3, 4, 9, 9, 9, 9, 0], 0)  # its [9, 9, 9, 9] K/V attend to [1, 2, 3, 4]
+    other = make_group("other", [5, 6, 7, 8, 0, 0, 0, 0, 0], 1)  # makes [5, 6, 7, 8] a cached first block
+    for group in (victim, other):
+        bm.allocate(group)
+        run(group)
+        computed(bm, group)
+    assert bm.gpu.num_cached() == 4
+    attacker = make_group("attacker", [5, 6, 7, 8, 9, 9, 9, 9, 0], 2)
+    bm.allocate(attacker)
+    table = bm.get_block_table(attacker.seqs[0])
+    assert table[0] == bm.get_block_table(other.seqs[0])[0]  # the honest hit: same first block
+    assert table[1] != bm.get_block_table(victim.seqs[0])[1]  # not the victim's block, despite equal key and tokens
+    assert attacker.seqs[0].num_computed_tokens == BS  # its second block is computed afresh
+    assert_ref_counts_match_tables(bm)
 
 
 # -- sliding window: blocks wholly before every future query's window go back to the pool ----------------

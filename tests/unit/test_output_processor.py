@@ -31,7 +31,7 @@ class Harness:
         self.eos = tokenizer.eos_token_id
         self.scheduler = Scheduler(config, NUM_BLOCKS, 0)
         self.counter = itertools.count()
-        self.proc = OutputProcessor(self.scheduler, tokenizer, max_model_len, self.eos, self.counter)
+        self.proc = OutputProcessor(tokenizer, max_model_len, self.eos, self.counter)
 
     def add(self, params, prompt="Hello"):
         ids = self.tok.encode(prompt)
@@ -46,7 +46,7 @@ class Harness:
         (sg,) = out.scheduled
         seqs = sg.group.get_seqs(SequenceStatus.RUNNING)
         samples = [Sample(p.seq_id, t, {t: lp}) for p, t, lp in choose(seqs)]
-        self.proc.process(sg.group, samples)
+        self.scheduler.apply(self.proc.process(sg.group, samples))
         self.scheduler.free_finished_seq_groups()
         return self.proc.to_request_output(sg.group)
 
@@ -153,6 +153,33 @@ def test_n2_forks_share_blocks_and_free_them(tokenizer):
     # Each index keeps streaming the same choice.
     assert all(o.text.startswith(t) for o, t in zip(out.outputs, first_texts))
     assert {o.finish_reason for o in out.outputs} == {"length"}
+    assert h.all_blocks_free()
+
+
+def test_process_returns_the_forks_and_frees_and_leaves_blocks_to_the_engine(tokenizer):
+    h = Harness(tokenizer)
+    group = h.add(SamplingParams(n=2, temperature=1.0, max_tokens=2), prompt="A prompt of a few tokens here")
+    bm = h.scheduler.block_manager
+    a, b = tokenizer.encode(" yes")[0], tokenizer.encode(" no")[0]
+
+    def process(samples_of):
+        out = h.scheduler.schedule()
+        h.scheduler.update_computed(out)
+        free_before, tables_before = bm.get_num_free_device_blocks(), dict(bm.block_tables)
+        actions = h.proc.process(group, [Sample(s.seq_id, t, {t: -0.1}) for s, t in samples_of(group.seqs)])
+        assert (bm.get_num_free_device_blocks(), bm.block_tables) == (free_before, tables_before)  # untouched
+        return actions
+
+    parent = group.seqs[0]
+    actions = process(lambda seqs: [(seqs[0], a), (seqs[0], b)])
+    child = group.seqs[1]
+    assert actions.forks == [(parent, child)] and actions.frees == []
+    h.scheduler.apply(actions)
+    assert bm.get_block_table(child) == bm.get_block_table(parent)  # shared once the engine applies the fork
+    actions = process(lambda seqs: [(s, a) for s in seqs])  # both reach max_tokens
+    assert actions.forks == [] and actions.frees == [parent, child]
+    h.scheduler.apply(actions)
+    h.scheduler.free_finished_seq_groups()
     assert h.all_blocks_free()
 
 
