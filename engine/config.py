@@ -49,6 +49,7 @@ class EngineConfig:
     watermark: float = 0.01
     max_logprobs: int = 20
     tensor_parallel_size: int = 1
+    # Accepted for vLLM compatibility; no effect yet: every step runs eagerly (no CUDA graphs, no compiled step).
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

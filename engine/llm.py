@@ -28,8 +28,12 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
         prompt_token_ids: Optional[Seq[Seq[int]]] = None,
         use_tqdm: bool = True,
+        priority: Union[None, int, Seq[int]] = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order."""
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        `priority` (one for all, or one per prompt, as vLLM's) matters with scheduling_policy="priority":
+        a lower value is scheduled first and may preempt running requests of a higher value."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if prompts is None and prompt_token_ids is None:
@@ -44,6 +48,9 @@ class LLM:
         )
         if len(params_list) != num:
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        priorities = [priority or 0] * num if priority is None or isinstance(priority, int) else list(priority)
+        if len(priorities) != num:
+            raise ValueError("priority must be one int or one per prompt")
 
         order: dict[str, int] = {}
         for i in range(num):
@@ -54,6 +61,7 @@ class LLM:
                 prompt=prompts[i] if prompts is not None else None,
                 prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
                 params=params_list[i],
+                priority=priorities[i],
             )
         return self._run(order, use_tqdm)
 

@@ -94,7 +94,11 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         priority: int = 0,
     ) -> None:
-        """Queue one request. ValueError for an empty prompt or token ids outside the vocabulary."""
+        """Queue one request. ValueError for an empty prompt or token ids outside the vocabulary.
+
+        `params` is read, never changed (one object may serve many requests); max_tokens None generates until
+        the context (max_model_len) is full. With --scheduling-policy priority a lower `priority` runs first.
+        """
         params = params if params is not None else SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -105,8 +109,6 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
-        if params.max_tokens is None:  # chat's default: what still fits in the context
-            params.max_tokens = max(1, self.config.max_model_len - len(prompt_token_ids))
         seq = Sequence(next(self.seq_counter), list(prompt_token_ids))
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
         self.scheduler.add_seq_group(group)

@@ -51,10 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-chunked-prefill", action="store_true",
                        help="mix decodes and prompt chunks in each step (--max-num-batched-tokens default: 512)")
     serve.add_argument("--preemption-mode", default=None, choices=[m.value for m in PreemptionMode])
-    serve.add_argument("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy])
+    serve.add_argument("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy],
+                       help="priority: a request's lower `priority` runs first and may preempt running ones")
     serve.add_argument("--max-logprobs", type=int, default=20)
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
-    serve.add_argument("--enforce-eager", action="store_true")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM compatibility; no effect yet: every step runs eagerly (no CUDA "
+                            "graphs, no compiled decode step)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
