@@ -90,16 +90,17 @@ void swap_blocks(
   pagedserve::cpu::swap_blocks(srcs, dsts, block_mapping);
 }
 
-// The elementwise ops are CPU-only: engine/ops.py sends CUDA tensors to the torch reference.
-void cpu_only(std::initializer_list<const torch::Tensor*> tensors, const char* op) {
-  if (any_cuda(tensors)) no_cuda(op);
-}
-
 void rms_norm(torch::Tensor& out,            // [num_tokens, hidden]
               const torch::Tensor& input,    // [num_tokens, hidden]
               const torch::Tensor& weight,   // [hidden]
               double eps) {
-  cpu_only({&out, &input, &weight}, "rms_norm");
+  if (any_cuda({&out, &input, &weight})) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::rms_norm(out, input, weight, eps);
+#else
+    no_cuda("rms_norm");
+#endif
+  }
   pagedserve::cpu::rms_norm(out, input, weight, eps);
 }
 
@@ -107,21 +108,44 @@ void fused_add_rms_norm(torch::Tensor& input,          // [num_tokens, hidden]
                         torch::Tensor& residual,       // [num_tokens, hidden]
                         const torch::Tensor& weight,   // [hidden]
                         double eps) {
-  cpu_only({&input, &residual, &weight}, "fused_add_rms_norm");
+  if (any_cuda({&input, &residual, &weight})) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::fused_add_rms_norm(input, residual, weight, eps);
+#else
+    no_cuda("fused_add_rms_norm");
+#endif
+  }
   pagedserve::cpu::fused_add_rms_norm(input, residual, weight, eps);
 }
 
 void silu_and_mul(torch::Tensor& out,            // [num_tokens, d]
                   const torch::Tensor& input) {  // [num_tokens, 2 * d]
-  cpu_only({&out, &input}, "silu_and_mul");
+  if (any_cuda({&out, &input})) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::silu_and_mul(out, input);
+#else
+    no_cuda("silu_and_mul");
+#endif
+  }
   pagedserve::cpu::silu_and_mul(out, input);
 }
 
 void rotary_embedding(const torch::Tensor& positions,        // [num_tokens] int64
                       torch::Tensor& x,                      // [num_tokens, num_heads, head_size]
                       const torch::Tensor& cos_sin_cache) {  // [max_position, head_size] float32
-  cpu_only({&positions, &x, &cos_sin_cache}, "rotary_embedding");
+  if (any_cuda({&positions, &x, &cos_sin_cache})) {
+#ifdef PAGEDSERVE_CUDA
+    return pagedserve::cuda::rotary_embedding(positions, x, cos_sin_cache);
+#else
+    no_cuda("rotary_embedding");
+#endif
+  }
   pagedserve::cpu::rotary_embedding(positions, x, cos_sin_cache);
+}
+
+// prefill_attention and argmax_logsumexp are CPU-only: engine/ops.py sends CUDA tensors to the torch reference.
+void cpu_only(std::initializer_list<const torch::Tensor*> tensors, const char* op) {
+  if (any_cuda(tensors)) no_cuda(op);
 }
 
 void prefill_attention(torch::Tensor& out,                 // [q_len, num_heads, head_size]

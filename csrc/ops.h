@@ -69,8 +69,8 @@ void swap_blocks(
     std::vector<at::Tensor>& dsts,        // num_tensors x [num_dst_blocks, ...] same block shape and dtype
     const at::Tensor& block_mapping);     // [num_pairs, 2] int64 (src, dst)
 
-// ---- elementwise ops of a Llama block (CPU only; engine/ops.py runs the torch
-// reference for CUDA tensors). float32 and bfloat16, float32 math inside.
+// ---- elementwise ops of a Llama block (CUDA kernels in the cuda namespace).
+// float32 and bfloat16 (CUDA: float16 too), float32 math inside.
 
 // out = weight * x / rms(x), per row (HF LlamaRMSNorm numerics).
 void rms_norm(
@@ -143,6 +143,27 @@ void swap_blocks(
     const std::vector<at::Tensor>& srcs,  // num_tensors x [num_src_blocks, ...]
     std::vector<at::Tensor>& dsts,        // num_tensors x [num_dst_blocks, ...]
     const at::Tensor& block_mapping);     // [num_pairs, 2] int64 (src, dst), on the CPU
+
+void rms_norm(
+    at::Tensor& out,           // [num_tokens, hidden], rows contiguous
+    const at::Tensor& input,   // [num_tokens, hidden], rows contiguous
+    const at::Tensor& weight,  // [hidden]
+    double eps);
+
+void fused_add_rms_norm(
+    at::Tensor& input,         // [num_tokens, hidden]
+    at::Tensor& residual,      // [num_tokens, hidden]
+    const at::Tensor& weight,  // [hidden]
+    double eps);
+
+void silu_and_mul(
+    at::Tensor& out,           // [num_tokens, d]
+    const at::Tensor& input);  // [num_tokens, 2 * d]
+
+void rotary_embedding(
+    const at::Tensor& positions,       // [num_tokens] int64
+    at::Tensor& x,                     // [num_tokens, num_heads, head_size], head vectors contiguous
+    const at::Tensor& cos_sin_cache);  // [max_position, head_size] float32: cos halves | sin halves
 
 }  // namespace cuda
 #endif

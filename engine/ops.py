@@ -137,8 +137,15 @@ def swap_blocks(
     module.swap_blocks(list(srcs), list(dsts), mapping)
 
 
-# Elementwise ops of a Llama block: one pass each, float32 math inside, on the calling thread for
-# decode-sized batches (an OpenMP wake-up costs more than the work). CPU kernels; CUDA runs the reference.
+# Elementwise ops of a Llama block: one pass each (one launch on CUDA), float32 math inside, on the calling
+# thread for decode-sized CPU batches (an OpenMP wake-up costs more than the work).
+
+
+def _compiled_elementwise(x: torch.Tensor, *others: torch.Tensor):
+    """The compiled module if it has an elementwise kernel for x's device and dtype, else None (the reference)."""
+    module = _compiled_for(x, *others)
+    dtypes = _CUDA_ELEMENTWISE_DTYPES if x.is_cuda else _ELEMENTWISE_DTYPES
+    return module if module is not None and x.dtype in dtypes else None
 
 
 def rms_norm(
@@ -148,8 +155,8 @@ def rms_norm(
     eps: float,
 ) -> torch.Tensor:
     """out = weight * x / rms(x) row by row, as HF's LlamaRMSNorm rounds it; returns out."""
-    module = _compiled_cpu_for(x)
-    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+    module = _compiled_elementwise(x, out, weight)
+    if module is None:
         return ref_rms_norm(out, x, weight, eps)
     module.rms_norm(out, x, weight, float(eps))
     return out
@@ -162,8 +169,8 @@ def fused_add_rms_norm(
     eps: float,
 ) -> None:
     """In place: residual += x, then x = rms_norm(residual) (the two halves of a Llama block's hand-off)."""
-    module = _compiled_cpu_for(x, residual)
-    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+    module = _compiled_elementwise(x, residual, weight)
+    if module is None:
         return ref_fused_add_rms_norm(x, residual, weight, eps)
     module.fused_add_rms_norm(x, residual, weight, float(eps))
 
@@ -173,8 +180,8 @@ def silu_and_mul(
     x: torch.Tensor,  # [num_tokens, 2 * d]: gate | up
 ) -> torch.Tensor:
     """out = silu(gate) * up; returns out."""
-    module = _compiled_cpu_for(x)
-    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+    module = _compiled_elementwise(x, out)
+    if module is None:
         return ref_silu_and_mul(out, x)
     module.silu_and_mul(out, x)
     return out
@@ -186,13 +193,14 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,  # [max_position, head_size] float32: cos halves | sin halves
 ) -> None:
     """Neox-style RoPE in place on every head of x at its token's position."""
-    module = _compiled_cpu_for(x)
-    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+    module = _compiled_elementwise(x, cos_sin_cache)
+    if module is None:
         return ref_rotary_embedding(positions, x, cos_sin_cache)
     module.rotary_embedding(positions, x, cos_sin_cache)
 
 
-_ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
+_ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)  # the CPU kernels'
+_CUDA_ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @contextlib.contextmanager

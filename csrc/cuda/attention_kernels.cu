@@ -2,66 +2,39 @@
 //
 // Same algorithm as csrc/cpu/attention.cpp: logits = scale * q . k for every
 // cached token, a softmax that subtracts the max, then sum_t p_t * v_t, all in
-// float32. Pass 1 gives each warp whole tokens (a warp-level dot product), pass
-// 2 gives warps tokens and lanes head dimensions. The partitioned (v2) variant
-// splits long contexts over kPartitionSize-token thread blocks and a second
-// kernel merges the partial results with their max logits and exp sums.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <float.h>
-
+// float32. Both passes give a group of lanes one token, each lane 16-byte chunks
+// of its K row (a group dot product) or V row (per-lane accumulators). The
+// partitioned (v2) variant splits long contexts over kPartitionSize-token thread
+// blocks and a second kernel merges the partial results with their max logits
+// and exp sums.
 #include "launchers.h"
+#include "numerics.cuh"
 
 namespace pagedserve {
 namespace cuda_kernels {
 
 namespace {
 
-constexpr int kWarpSize = 32;
 constexpr int kNumThreads = 128;
 constexpr int kNumWarps = kNumThreads / kWarpSize;
 // The single-pass kernel keeps all logits in shared memory; past this many
 // tokens (32 KiB of logits) the partitioned kernel is used.
 constexpr int kMaxSinglePassContext = 8192;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+constexpr int pow2_ceil(int n) { return n <= 1 ? 1 : 2 * pow2_ceil((n + 1) / 2); }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-// Block-wide reduction; every thread gets the result. Starts and ends with a
-// barrier, so shared-memory writes before it are visible after it.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float v, float* red /* [kNumWarps] */) {
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  v = kMax ? warp_max(v) : warp_sum(v);
-  __syncthreads();
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = lane < kNumWarps ? red[lane] : (kMax ? -FLT_MAX : 0.f);
-  return kMax ? warp_max(v) : warp_sum(v);
-}
+// How a warp reads K and V rows in 16-byte chunks: kLanesPerRow lanes (a power
+// of two) share a row, so a warp reads kRowsPerWarp tokens at once; a lane takes
+// chunks rl, rl + kLanesPerRow, ... of its row (lanes past the row's end idle).
+template <typename T, int kHeadSize>
+struct RowTiling {
+  static constexpr int kVec = 16 / sizeof(T);  // elements per chunk
+  static_assert(kHeadSize % kVec == 0, "head rows must be whole 16-byte chunks");
+  static constexpr int kChunks = kHeadSize / kVec;
+  static constexpr int kLanesPerRow = kChunks >= kWarpSize ? kWarpSize : pow2_ceil(kChunks);
+  static constexpr int kRowsPerWarp = kWarpSize / kLanesPerRow;
+  static constexpr int kChunksPerLane = (kChunks + kLanesPerRow - 1) / kLanesPerRow;
+};
 
 // The attended tokens are [begin, context_len): begin = context_len - sliding_window
 // under a sliding window (earlier blocks are never read: they may be released), else 0.
@@ -72,6 +45,8 @@ __device__ __forceinline__ int attended_begin(int context_len, int sliding_windo
 // kPartition == 0: the whole attended span, result to out.
 // kPartition > 0: tokens [begin + p * kPartition, begin + (p + 1) * kPartition),
 // normalized partial result to tmp_out plus its max logit and exp sum.
+// K and V rows are read in 16-byte chunks (the caches are 16-byte aligned and
+// every supported head row is whole chunks).
 template <typename T, int kHeadSize, int kPartition>
 __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     T* __restrict__ out,                  // [num_seqs, num_heads, kHeadSize]
@@ -85,9 +60,13 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
     const int32_t* __restrict__ context_lens,  // [num_seqs]
     int num_kv_heads, int block_size, int max_blocks_per_seq, int max_partitions,
     int64_t q_stride_seq, int64_t q_stride_head, float scale, int sliding_window) {
+  using Tiling = RowTiling<T, kHeadSize>;
+  constexpr int kVec = Tiling::kVec, kLanesPerRow = Tiling::kLanesPerRow, kRowsPerWarp = Tiling::kRowsPerWarp;
+  constexpr int kRowsPerStep = kNumWarps * kRowsPerWarp;  // tokens the block reads at once
   const int head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
   const int num_heads = gridDim.x;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int sub = lane / kLanesPerRow, rl = lane % kLanesPerRow;  // row of the warp, lane in the row
   const int context_len = context_lens[seq];
   const int start = attended_begin(context_len, sliding_window) + (kPartition > 0 ? part * kPartition : 0);
   const int end = kPartition > 0 ? min(start + kPartition, context_len) : context_len;
@@ -107,24 +86,38 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   extern __shared__ float logits[];  // [n]
   __shared__ float q_s[kHeadSize];
   __shared__ float red[kNumWarps];
-  __shared__ float acc_s[kNumWarps][kHeadSize];
+  __shared__ float acc_s[kRowsPerStep][kHeadSize];
 
   const T* q = query + seq * q_stride_seq + head * q_stride_head;
   for (int d = threadIdx.x; d < kHeadSize; d += kNumThreads) q_s[d] = to_float(q[d]) * scale;
   __syncthreads();
 
-  // Pass 1: one warp per token.
+  // Pass 1: kLanesPerRow lanes per token, a dot product over its 16-byte chunks.
+  // Every lane of a warp runs the same iterations (the group sum shuffles the whole warp).
   float local_max = -FLT_MAX;
-  for (int i = warp; i < n; i += kNumWarps) {
-    const int t = start + i;
-    const int64_t block = table[t / block_size];
-    const T* k = key_cache + ((block * num_kv_heads + kv_head) * block_size + t % block_size) * kHeadSize;
+  for (int base = warp * kRowsPerWarp; base < n; base += kRowsPerStep) {
+    const int i = base + sub;
     float dot = 0.f;
+    if (i < n) {
+      const int t = start + i;
+      const int64_t block = table[t / block_size];
+      const T* k = key_cache + ((block * num_kv_heads + kv_head) * block_size + t % block_size) * kHeadSize;
 #pragma unroll
-    for (int d = lane; d < kHeadSize; d += kWarpSize) dot += q_s[d] * to_float(k[d]);
-    dot = warp_sum(dot);  // every lane holds the sum
-    if (lane == 0) logits[i] = dot;
-    local_max = fmaxf(local_max, dot);
+      for (int c = 0; c < Tiling::kChunksPerLane; ++c) {
+        const int chunk = rl + c * kLanesPerRow;
+        if (chunk < Tiling::kChunks) {
+          Vec16<T> kv;
+          kv.load(k + chunk * kVec);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) dot += q_s[chunk * kVec + e] * kv.v[e];
+        }
+      }
+    }
+    dot = warp_sum<kLanesPerRow>(dot);  // every lane of the row holds its sum
+    if (i < n) {
+      if (rl == 0) logits[i] = dot;
+      local_max = fmaxf(local_max, dot);
+    }
   }
   const float max_logit = block_reduce<true>(local_max, red);
 
@@ -138,32 +131,42 @@ __global__ void __launch_bounds__(kNumThreads) paged_attention_kernel(
   const float exp_sum = block_reduce<false>(local_sum, red);
   const float inv_sum = 1.f / exp_sum;
 
-  // Pass 2: warps take tokens, lanes take head dimensions (coalesced V rows).
-  constexpr int kDimsPerLane = (kHeadSize + kWarpSize - 1) / kWarpSize;
-  float acc[kDimsPerLane];
+  // Pass 2: the same tiling over V rows; each lane accumulates its chunks of its rows.
+  float acc[Tiling::kChunksPerLane][kVec];
 #pragma unroll
-  for (int j = 0; j < kDimsPerLane; ++j) acc[j] = 0.f;
-  for (int i = warp; i < n; i += kNumWarps) {
+  for (int c = 0; c < Tiling::kChunksPerLane; ++c) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[c][e] = 0.f;
+  }
+  for (int i = warp * kRowsPerWarp + sub; i < n; i += kRowsPerStep) {
     const int t = start + i;
     const int64_t block = table[t / block_size];
     const T* v = value_cache + ((block * num_kv_heads + kv_head) * block_size + t % block_size) * kHeadSize;
     const float p = logits[i];
 #pragma unroll
-    for (int j = 0; j < kDimsPerLane; ++j) {
-      const int d = lane + j * kWarpSize;
-      if (d < kHeadSize) acc[j] += p * to_float(v[d]);
+    for (int c = 0; c < Tiling::kChunksPerLane; ++c) {
+      const int chunk = rl + c * kLanesPerRow;
+      if (chunk < Tiling::kChunks) {
+        Vec16<T> vv;
+        vv.load(v + chunk * kVec);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[c][e] += p * vv.v[e];
+      }
     }
   }
 #pragma unroll
-  for (int j = 0; j < kDimsPerLane; ++j) {
-    const int d = lane + j * kWarpSize;
-    if (d < kHeadSize) acc_s[warp][d] = acc[j];
+  for (int c = 0; c < Tiling::kChunksPerLane; ++c) {
+    const int chunk = rl + c * kLanesPerRow;
+    if (chunk < Tiling::kChunks) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc_s[warp * kRowsPerWarp + sub][chunk * kVec + e] = acc[c][e];
+    }
   }
   __syncthreads();
   for (int d = threadIdx.x; d < kHeadSize; d += kNumThreads) {
     float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) o += acc_s[w][d];
+    for (int r = 0; r < kRowsPerStep; ++r) o += acc_s[r][d];
     o *= inv_sum;
     if (kPartition == 0) {
       out[row * kHeadSize + d] = from_float<T>(o);

@@ -68,5 +68,38 @@ cudaError_t swap_blocks_launch(
     const int64_t* block_mapping,     // [num_pairs, 2] (src, dst) in host memory
     int num_pairs, int64_t bytes_per_block, cudaStream_t stream);
 
+// Elementwise ops of a Llama block, one launch each (elementwise_kernels.cu);
+// same numerics as engine/ref_ops.py. Rows are contiguous, row strides in elements.
+
+// out = weight * x / rms(x), per row.
+cudaError_t rms_norm_launch(DType dtype,
+                            void* out,            // [num_tokens, hidden]
+                            const void* input,    // [num_tokens, hidden]
+                            const void* weight,   // [hidden]
+                            int num_tokens, int hidden, int64_t in_stride, int64_t out_stride, float eps,
+                            cudaStream_t stream);
+
+// In place: residual += input, then input = rms_norm(residual).
+cudaError_t fused_add_rms_norm_launch(DType dtype,
+                                      void* input,         // [num_tokens, hidden]
+                                      void* residual,      // [num_tokens, hidden]
+                                      const void* weight,  // [hidden]
+                                      int num_tokens, int hidden, int64_t in_stride, int64_t res_stride, float eps,
+                                      cudaStream_t stream);
+
+// out = silu(input[:, :d]) * input[:, d:].
+cudaError_t silu_and_mul_launch(DType dtype,
+                                void* out,          // [num_tokens, d]
+                                const void* input,  // [num_tokens, 2 * d]
+                                int num_tokens, int d, int64_t in_stride, int64_t out_stride, cudaStream_t stream);
+
+// Neox RoPE in place on each head of x; a position outside [0, max_position) leaves its token unrotated.
+cudaError_t rotary_embedding_launch(DType dtype,
+                                    const int64_t* positions,    // [num_tokens] on the device
+                                    void* x,                     // [num_tokens, num_heads, head_size] strided
+                                    const float* cos_sin_cache,  // [max_position, head_size]: cos | sin halves
+                                    int num_tokens, int num_heads, int head_size, int max_position,
+                                    int64_t stride_token, int64_t stride_head, cudaStream_t stream);
+
 }  // namespace cuda_kernels
 }  // namespace pagedserve

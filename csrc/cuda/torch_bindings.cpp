@@ -30,7 +30,7 @@ ck::DType kernel_dtype(at::ScalarType t) {
     case at::kBFloat16:
       return ck::DType::kBFloat16;
     default:
-      TORCH_CHECK(false, "paged_attention: unsupported dtype ", t);
+      TORCH_CHECK(false, "unsupported dtype ", t, " (float32, float16 or bfloat16)");
   }
 }
 
@@ -56,6 +56,9 @@ void paged_attention(
                   value_cache.scalar_type() == query.scalar_type(),
               "out, query and caches must share one dtype");
   TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_size differs from query head_size");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(key_cache.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(value_cache.data_ptr()) % 16 == 0,
+              "paged_attention: the caches must be 16-byte aligned (the kernel reads 16-byte chunks)");
   const c10::cuda::CUDAGuard guard(query.device());
   const auto tables = block_tables.to(query.device(), at::kInt).contiguous();
   const auto lens = context_lens.to(query.device(), at::kInt).contiguous();
@@ -179,6 +182,73 @@ void swap_blocks(
   check(ck::swap_blocks_launch(src_ptrs.data(), dst_ptrs.data(), num_tensors, pairs, num_pairs, bytes_per_block,
                                c10::cuda::getCurrentCUDAStream(device.index()).stream()),
         "swap_blocks");
+}
+
+// ---- elementwise ops of a Llama block (elementwise_kernels.cu)
+
+namespace {
+
+void check_rows(const at::Tensor& t, const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a CUDA [num_tokens, hidden] tensor with contiguous rows");
+  TORCH_CHECK(t.size(1) == weight.numel() && t.scalar_type() == weight.scalar_type() && t.device() == weight.device(),
+              name, ": hidden size, dtype or device differs from the weight");
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps) {
+  check_rows(input, weight, "rms_norm input");
+  check_rows(out, weight, "rms_norm out");
+  TORCH_CHECK(weight.is_contiguous() && out.size(0) == input.size(0), "rms_norm: bad weight or out shape");
+  const c10::cuda::CUDAGuard guard(input.device());
+  check(ck::rms_norm_launch(kernel_dtype(input.scalar_type()), out.data_ptr(), input.data_ptr(), weight.data_ptr(),
+                            input.size(0), input.size(1), input.stride(0), out.stride(0), static_cast<float>(eps),
+                            c10::cuda::getCurrentCUDAStream().stream()),
+        "rms_norm");
+}
+
+void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(input, weight, "fused_add_rms_norm input");
+  check_rows(residual, weight, "fused_add_rms_norm residual");
+  TORCH_CHECK(weight.is_contiguous() && residual.size(0) == input.size(0), "fused_add_rms_norm: bad shapes");
+  const c10::cuda::CUDAGuard guard(input.device());
+  check(ck::fused_add_rms_norm_launch(kernel_dtype(input.scalar_type()), input.data_ptr(), residual.data_ptr(),
+                                      weight.data_ptr(), input.size(0), input.size(1), input.stride(0),
+                                      residual.stride(0), static_cast<float>(eps),
+                                      c10::cuda::getCurrentCUDAStream().stream()),
+        "fused_add_rms_norm");
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
+  TORCH_CHECK(input.is_cuda() && input.dim() == 2 && input.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.device() == input.device(),
+              "silu_and_mul: CUDA [num_tokens, 2 * d] input and [num_tokens, d] out with contiguous rows");
+  TORCH_CHECK(input.size(1) == 2 * out.size(1) && input.size(0) == out.size(0) &&
+                  input.scalar_type() == out.scalar_type(),
+              "silu_and_mul: out must be [num_tokens, d] of the input's dtype");
+  const c10::cuda::CUDAGuard guard(input.device());
+  check(ck::silu_and_mul_launch(kernel_dtype(input.scalar_type()), out.data_ptr(), input.data_ptr(), input.size(0),
+                                out.size(1), input.stride(0), out.stride(0), c10::cuda::getCurrentCUDAStream().stream()),
+        "silu_and_mul");
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& x, const at::Tensor& cos_sin_cache) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary_embedding: x must be a CUDA [num_tokens, num_heads, head_size] view, head vectors contiguous");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
+              "rotary_embedding: positions must be [num_tokens] int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.stride(1) == 1 && cos_sin_cache.stride(0) == cos_sin_cache.size(1) &&
+                  cos_sin_cache.size(1) == x.size(2) && cos_sin_cache.device() == x.device(),
+              "rotary_embedding: cos_sin_cache must be [max_position, head_size] float32 on x's device");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto pos = positions.to(x.device()).contiguous();
+  check(ck::rotary_embedding_launch(kernel_dtype(x.scalar_type()), pos.data_ptr<int64_t>(), x.data_ptr(),
+                                    cos_sin_cache.data_ptr<float>(), x.size(0), x.size(1), x.size(2),
+                                    cos_sin_cache.size(0), x.stride(0), x.stride(1),
+                                    c10::cuda::getCurrentCUDAStream().stream()),
+        "rotary_embedding");
 }
 
 }  // namespace cuda

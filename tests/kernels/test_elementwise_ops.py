@@ -117,10 +117,66 @@ def test_rotary_embedding_rejects_positions_past_the_table():
         ops.rotary_embedding(torch.tensor([3, 16]), x, table)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_elementwise_ops_on_cuda_use_the_reference():
-    gen = torch.Generator().manual_seed(0)
-    x = randn((4, 64), torch.float32, gen).cuda()
-    weight = torch.ones(64, device="cuda")
-    out = ops.rms_norm(torch.empty_like(x), x, weight, 1e-6)
-    torch.testing.assert_close(out, ref_ops.ref_rms_norm(torch.empty_like(x), x, weight, 1e-6))
+# ---- CUDA kernels (one launch each) against the same references, on the same CUDA tensors.
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# --use_fast_math: exp and rsqrt are a few float32 ulps off torch's.
+CUDA_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3),
+            torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def cuda_randn(shape, dtype, gen, scale=1.0):
+    return randn(shape, dtype, gen, scale).cuda()
+
+
+@pytest.fixture
+def cuda_kernels():
+    """The CUDA tests prove nothing if the reference served them."""
+    assert ops.backend() is ops.OpsBackend.COMPILED_CUDA, "the CUDA kernels did not build"
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", ROW_SHAPES + [(3, 4096)])
+def test_cuda_rms_norm_and_fused_add_match_reference(cuda_kernels, dtype, num_tokens, hidden):
+    gen = torch.Generator().manual_seed(num_tokens + hidden)
+    x = cuda_randn((num_tokens, hidden + 8), dtype, gen, scale=3.0)[:, :hidden]  # strided rows
+    weight = cuda_randn((hidden,), dtype, gen)
+    out = ops.rms_norm(torch.empty(num_tokens, hidden, dtype=dtype, device="cuda"), x, weight, 1e-6)
+    torch.testing.assert_close(out, ref_ops.ref_rms_norm(torch.empty_like(out), x, weight, 1e-6), **CUDA_TOL[dtype])
+    x, residual = cuda_randn((num_tokens, hidden), dtype, gen), cuda_randn((num_tokens, hidden), dtype, gen, 4.0)
+    ref_x, ref_residual = x.clone(), residual.clone()
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    ref_ops.ref_fused_add_rms_norm(ref_x, ref_residual, weight, 1e-5)
+    assert torch.equal(residual, ref_residual)  # the plain sum, rounded once
+    torch.testing.assert_close(x, ref_x, **CUDA_TOL[dtype])
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("num_tokens,d", [(1, 64), (5, 37), (128, 1536)])
+def test_cuda_silu_and_mul_matches_reference(cuda_kernels, dtype, num_tokens, d):
+    gen = torch.Generator().manual_seed(d)
+    x = cuda_randn((num_tokens, 2 * d + 4), dtype, gen, scale=4.0)[:, : 2 * d]
+    x[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0], dtype=dtype)
+    out = ops.silu_and_mul(torch.empty(num_tokens, d, dtype=dtype, device="cuda"), x)
+    expected = ref_ops.ref_silu_and_mul(torch.empty_like(out), x)
+    torch.testing.assert_close(out, expected, **CUDA_TOL[dtype])
+    assert torch.isfinite(out).all()
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_size", [(1, 9, 3, 64), (130, 8, 2, 128), (7, 4, 4, 80)])
+def test_cuda_rotary_embedding_matches_reference(cuda_kernels, dtype, num_tokens, heads, kv_heads, head_size):
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = cuda_randn((num_tokens, (heads + 2 * kv_heads) * head_size), dtype, gen)
+    table = rope_table(4096, head_size).cuda()
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen).cuda()
+    original, expected = qkv.clone(), qkv.clone()
+    width = (heads + kv_heads) * head_size
+    ops.rotary_embedding(positions, qkv[:, :width].view(num_tokens, heads + kv_heads, head_size), table)
+    ref_ops.ref_rotary_embedding(positions, expected[:, :width].view(num_tokens, heads + kv_heads, head_size), table)
+    torch.testing.assert_close(qkv, expected, **CUDA_TOL[dtype])
+    assert torch.equal(qkv[:, width:], original[:, width:])  # v untouched
