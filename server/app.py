@@ -9,6 +9,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import __version__
 from server.errors import error_response, install_error_handlers
+from server.limits import integer_bounds
 from server.preprocess import ServerContext
 from server.routes import build_router
 
@@ -118,6 +119,6 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
                 op.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
-        app.openapi_schema = schema
+        app.openapi_schema = integer_bounds(schema)
     return app.openapi_schema
 

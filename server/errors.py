@@ -40,7 +40,13 @@ class APIError(Exception):
 
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict[str, Any]:
     err_type = ERROR_TYPES.get(status) or ("BadRequestError" if status < 500 else "InternalServerError")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return {"error": {"message": _encodable(message), "type": err_type, "param": _encodable(param), "code": status}}
+
+
+def _encodable(text: Optional[str]) -> Optional[str]:
+    """A message may quote the client's input (a field name, a key) holding a lone surrogate: escape it, or
+    encoding the body fails."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(message: str, status: int, param: Optional[str] = None) -> JSONResponse:
@@ -52,10 +58,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
-    err = errors[0]
+    # A union (prompt, stop, content) reports one error per member; a bound that was crossed says more than
+    # "should be a valid string" from a member whose shape did not match.
+    err = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     if err.get("type") == "json_invalid":
         return f"Invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}.", None
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [_clip(str(p)) for p in err.get("loc", ()) if p != "body"]  # a dict key in the path is client input
     if not loc:
         if err.get("type") == "missing":
             return "The request body is required (a JSON object).", None
@@ -76,8 +84,11 @@ def _is_type_tag(part: str) -> bool:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return _clip(repr(value))
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -11,8 +11,6 @@ from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
-MAX_N = 128  # n and best_of above this are refused: one request must not own the whole cache
-
 
 class JobKind(enum.Enum):
     COMPLETION = "completion"
@@ -86,11 +84,8 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
     check_model(ctx, body.model)
     if not body.messages:
         raise APIError("messages must contain at least one message.", 400, "messages")
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise APIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
-        if not 0 <= body.top_logprobs <= 20:
-            raise APIError(f"top_logprobs must be in [0, 20], got {body.top_logprobs}.", 400, "top_logprobs")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
     text = render_chat(ctx, body.messages, body.add_generation_prompt)
     ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
     _check_prompt(ctx, ids, "messages")
@@ -183,10 +178,6 @@ def _sampling_params(
     logprobs: Optional[int],
     prompt_logprobs: Optional[int] = None,
 ) -> SamplingParams:
-    for name in ("n", "best_of"):
-        value = getattr(body, name)
-        if value is not None and value > MAX_N:
-            raise APIError(f"{name} must be at most {MAX_N}, got {value}.", 400, name)
     if body.stream and (body.use_beam_search or (body.best_of is not None and body.best_of != body.n)):
         raise APIError("best_of != n and use_beam_search are not supported with stream=true.", 400, "best_of")
     longest = max(len(p) for p in prompts)

@@ -1,15 +1,21 @@
 """Pydantic request/response models of the OpenAI-compatible API (mirrored by openapi.yaml)."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.limits import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, Finite, LogitBias, MinTokens, NumChoices, NumLogprobs, NumTokens, Seed,
+    StopList, StopTokenIds, Text, TextPrompts, TokenIds, TokenPrompts, TopK, TopLogprobs,
+)
+
 # Unknown fields are rejected, and values are not coerced across types ("5" is not 5).
+# Every value's bounds come from the types of server/limits.py.
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
-StopType = Union[str, list[str], None]
+PromptType = Union[Text, TextPrompts, TokenIds, TokenPrompts]
+StopType = Union[Text, StopList, None]
 
 
 class StreamOptions(BaseModel):
@@ -23,39 +29,39 @@ class SamplingFields(BaseModel):
     """Parameters shared by completions and chat (OpenAI + vLLM extensions)."""
 
     model_config = _STRICT
-    model: Optional[str] = None
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    length_penalty: float = 1.0
-    seed: Optional[int] = None
+    model: Optional[Text] = None
+    n: NumChoices = 1
+    temperature: Finite = 1.0
+    top_p: Finite = 1.0
+    top_k: TopK = -1
+    min_p: Finite = 0.0
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    repetition_penalty: Finite = 1.0
+    length_penalty: Finite = 1.0
+    seed: Optional[Seed] = None
     stop: StopType = None
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[StopTokenIds] = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    logit_bias: Optional[dict[str, float]] = None
+    min_tokens: MinTokens = 0
+    logit_bias: Optional[LogitBias] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[NumChoices] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    user: Optional[Text] = None
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: PromptType
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[NumTokens] = 16
     echo: bool = False
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
+    logprobs: Optional[NumLogprobs] = None
+    suffix: Optional[Text] = None
 
 
 class TextPart(BaseModel):
@@ -63,7 +69,7 @@ class TextPart(BaseModel):
 
     model_config = _STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -71,18 +77,21 @@ class ChatMessage(BaseModel):
 
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
+    content: Union[Text, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
+    name: Optional[Text] = None
+
+
+ChatMessages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    messages: ChatMessages
+    max_tokens: Optional[NumTokens] = None
+    max_completion_tokens: Optional[NumTokens] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[TopLogprobs] = None
     add_generation_prompt: bool = True
 
 
@@ -232,9 +241,9 @@ class TokenizeRequest(BaseModel):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model_config = _STRICT
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    model: Optional[Text] = None
+    prompt: Optional[Text] = None
+    messages: Optional[ChatMessages] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -251,8 +260,8 @@ class DetokenizeRequest(BaseModel):
     """POST /detokenize."""
 
     model_config = _STRICT
-    model: Optional[str] = None
-    tokens: list[int]
+    model: Optional[Text] = None
+    tokens: TokenIds
 
 
 class DetokenizeResponse(BaseModel):
