@@ -16,6 +16,14 @@ int row_threads(int n) {  // a warp multiple, up to 1024, for one row of n eleme
   return (warps < 32 ? (warps < 1 ? 1 : warps) : 32) * kWarpSize;
 }
 
+// o = weight * round(x * inv_rms) over one row, each thread its elements.
+template <typename T>
+__device__ __forceinline__ void write_normed(T* o, const T* x, const T* weight, int hidden, float inv_rms) {
+  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inv_rms));
+  }
+}
+
 // One thread block per row: out = weight * round(x / rms(x)).
 template <typename T>
 __global__ void rms_norm_kernel(T* __restrict__ out,           // [num_tokens, hidden] rows out_stride apart
@@ -30,10 +38,7 @@ __global__ void rms_norm_kernel(T* __restrict__ out,           // [num_tokens, h
     const float v = to_float(x[i]);
     ss += v * v;
   }
-  const float inv_rms = rsqrtf(block_reduce<false>(ss, red) / hidden + eps);
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    o[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(x[i]) * inv_rms));
-  }
+  write_normed(o, x, weight, hidden, rsqrtf(block_reduce<false>(ss, red) / hidden + eps));
 }
 
 // One thread block per row, in place: residual = round(residual + x), then x = rms_norm(residual).
@@ -52,10 +57,7 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ input,     // [num_tok
     r[i] = from_float<T>(v);
     ss += v * v;
   }
-  const float inv_rms = rsqrtf(block_reduce<false>(ss, red) / hidden + eps);
-  for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-    x[i] = from_float<T>(to_float(weight[i]) * round_to<T>(to_float(r[i]) * inv_rms));
-  }
+  write_normed(x, r, weight, hidden, rsqrtf(block_reduce<false>(ss, red) / hidden + eps));
 }
 
 // One thread block per row: out = round(silu(gate)) * up.

@@ -24,6 +24,9 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None, tie_word_embeddings=False),
     # A window shorter than most prompts: prefill, prompt logprobs and decodes all cut at 8 tokens.
     "mistral-window-8": lambda: MistralConfig(**TINY, sliding_window=8, tie_word_embeddings=False),
+    # Qwen2 windows only its layers from max_window_layers on: here layer 1, layer 0 reads everything.
+    "qwen2-window-layer-1": lambda: Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                                tie_word_embeddings=False),
     "tied-embeddings": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=True),
     "rope-linear": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
     "rope-llama3": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, rope_parameters={
