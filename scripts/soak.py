@@ -60,28 +60,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 # -- the server ------------------------------------------------------------------------------------
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(serve_args: list[str], log_path: Optional[str] = None, timeout_s: float = 300.0,
+                 env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
+    """`python -m server.cli serve ...` (what the `pagedserve` script runs) on a free port; (proc, base_url)
+    once /health is 200. The tests' servers in their own process start here too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "server.cli", "serve", *([args.model] if args.model else []),
-           "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.server_args)]
-    log = open(os.environ.get("SOAK_SERVER_LOG", os.devnull), "wb")
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
+    log = open(log_path or os.devnull, "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"soak: the server exited with {proc.returncode} (SOAK_SERVER_LOG=file to see why)")
+            tail = pathlib.Path(log_path).read_text()[-3000:] if log_path else "(no log file given)"
+            raise RuntimeError(f"the server exited with {proc.returncode}: {tail}")
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.3)
     proc.kill()
-    raise SystemExit("soak: the server did not come up in 300 s")
+    raise RuntimeError(f"the server did not come up in {timeout_s:g} s")
 
 
 def rss_bytes(pid: int) -> Optional[int]:
@@ -257,7 +260,8 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     if args.url:
         base, pid = args.url.rstrip("/"), args.pid
     else:
-        proc, base = start_server(args)
+        serve_args = [*([args.model] if args.model else []), *shlex.split(args.server_args)]
+        proc, base = start_server(serve_args, os.environ.get("SOAK_SERVER_LOG"))
         pid = proc.pid
     try:
         card = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]

@@ -16,9 +16,11 @@ import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "server"))  # serving_harness: run alone, tests/server is not on the path
+sys.path.insert(0, str(ROOT / "scripts"))  # soak.py starts CLI servers for the soak and for these tests
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from serving_harness import ServerThread, free_port, metric, sse_events  # noqa: E402
+from serving_harness import ServerThread, metric, sse_events  # noqa: E402
+from soak import start_server  # noqa: E402
 
 # Figures of the last run, for docs/reliability.md (outside the repo: nothing to commit by accident).
 REPORT = pathlib.Path(os.environ.get("PAGEDSERVE_RELIABILITY_REPORT", "/tmp/pagedserve-reliability.json"))
@@ -109,25 +111,5 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict) -> 
 
 
 def start_cli_server(args: list[str], log_path: pathlib.Path, timeout_s: float = 180.0):
-    """`python -m server.cli serve ...` (what the `pagedserve` script runs) in its own process; (proc, base_url)."""
-    import subprocess
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
-    out = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not come up")
-        time.sleep(0.3)
+    """`pagedserve serve ...` in its own process, one thread per OpenMP team; (proc, base_url)."""
+    return start_server(args, str(log_path), timeout_s, env={"OMP_NUM_THREADS": "1"})
