@@ -9,6 +9,7 @@ import enum
 from typing import Optional
 
 from engine.block_allocator import NO_PREFIX_HASH, BlockAllocator, BlockHash, HashFn, sha256
+from engine.prompt_logprobs import wants_prompt_logprobs
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[int]
@@ -113,7 +114,7 @@ class BlockSpaceManager:
 
     def _reads_prefix_cache(self, group: SequenceGroup) -> bool:
         # Prompt logprobs need the logits of every prompt token, so such a prompt is computed in full.
-        return self.enable_prefix_caching and group.sampling_params.prompt_logprobs is None
+        return self.enable_prefix_caching and not wants_prompt_logprobs(group)
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[list[BlockHash], list[int]]:
         """Hashes and blocks of the longest cached run of leading full blocks.

@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.loader import load_model, model_max_len
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.sampler import Sampler, prompt_logprobs
+from engine.prompt_logprobs import add_prompt_logprobs
+from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
@@ -140,15 +141,11 @@ class LLMEngine:
             return outputs
 
         # A prompt chunk short of the prompt's end (chunked prefill) samples nothing and reports nothing yet.
-        rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled if sg.samples]
+        rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled if sg.do_sample]
         self._prompt_tokens_total += sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
-        chunk_starts = {sg.group.request_id: sg.group.get_seqs(SequenceStatus.RUNNING)[0].num_computed_tokens
-                        for sg in out.scheduled if sg.is_prefill and sg.group.sampling_params.prompt_logprobs is not None}
         logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.device_cache)
+        add_prompt_logprobs(out, prompt_logits)
         self.scheduler.update_computed(out)
-        for request_id, chunk in prompt_logits.items():
-            group = next(sg.group for sg in out.scheduled if sg.group.request_id == request_id)
-            _add_prompt_logprobs(group, chunk, chunk_starts[request_id])
         samples = self.sampler(logits, rows)
         self._generation_tokens_total += sum(len(seqs) for _, seqs in rows)
 
@@ -178,21 +175,3 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
         )
 
-
-def _add_prompt_logprobs(group: SequenceGroup, logits: torch.Tensor, start: int) -> None:
-    """Prompt logprobs from the logits of prompt positions [start, start + len(logits)), one chunk at a time.
-
-    Entry i of group.prompt_logprobs is token i's; a prompt computed again (recompute preemption) keeps the
-    entries it already has.
-    """
-    prompt = group.prompt_token_ids
-    have = group.prompt_logprobs
-    if have is not None and len(have) == len(prompt):
-        return
-    if start == 0:
-        have = group.prompt_logprobs = []
-    elif have is None or len(have) != start + 1:
-        return  # not the chunk that continues them
-    k = group.sampling_params.prompt_logprobs
-    entries = prompt_logprobs(logits, prompt[: start + logits.shape[0] + 1], k, start)
-    have.extend(entries)

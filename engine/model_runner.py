@@ -19,6 +19,7 @@ from engine import ops
 from engine.attention import AttentionMetadata, KVCache, PrefillSpan, make_prefill_bias
 from engine.config import EngineConfig
 from engine.cpu_linear import pack_linears
+from engine.prompt_logprobs import logits_positions
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -34,8 +35,8 @@ class _Row(NamedTuple):
     seq: Sequence
     group: SequenceGroup
     start: int  # first token computed this step (== seq.num_computed_tokens)
-    end: int  # seq.get_len(), or where this step's chunk of a prompt ends (chunked prefill)
-    samples: bool  # False: a prompt chunk short of the prompt's end, no logits row
+    end: int  # where this step's computed tokens end (ScheduledGroup.span_end)
+    logits_row: Optional[int]  # its row of the step's logits, in the scheduler's order; None: not sampled
 
 
 class ModelInput(NamedTuple):
@@ -65,7 +66,7 @@ class ModelRunner:
     def execute(self, out, kv_caches: list[KVCache]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward the tokens [num_computed_tokens, get_len()) of every RUNNING sequence of out.scheduled.
 
-        A prompt chunk (ScheduledGroup.samples False) computes only its num_tokens and gets no logits row."""
+        A prompt chunk (ScheduledGroup.do_sample False) computes only its num_tokens and gets no logits row."""
         inp = self.prepare(out)
         if inp is None:
             return torch.empty(0, 0, dtype=torch.float32, device=self.device), {}
@@ -115,30 +116,29 @@ class ModelRunner:
             return self.model.compute_logits(hidden)  # decode rows: logits_indices is arange(num_rows)
 
     def prepare(self, out) -> Optional[ModelInput]:
-        """Flatten the scheduled sequences: multi-token (prefill) rows first, then one token per decode row."""
-        rows = [
-            _Row(seq, sg.group, seq.num_computed_tokens, seq.get_len(), True) if sg.samples else
-            _Row(seq, sg.group, seq.num_computed_tokens, seq.num_computed_tokens + sg.num_tokens, False)
-            for sg in out.scheduled
-            for seq in sg.group.seqs
-            if seq.status is SequenceStatus.RUNNING
-        ]
-        if not rows:
+        """Flatten the scheduled sequences: the prefill groups' spans first, then one token per decode row."""
+        prefill_rows: list[_Row] = []
+        decode_rows: list[_Row] = []
+        num_sampled = 0
+        for sg in out.scheduled:
+            for seq in sg.group.seqs:
+                if seq.status is SequenceStatus.RUNNING:
+                    row = _Row(seq, sg.group, seq.num_computed_tokens, sg.span_end(seq),
+                               num_sampled if sg.do_sample else None)
+                    num_sampled += sg.do_sample
+                    (prefill_rows if sg.is_prefill else decode_rows).append(row)
+        if not prefill_rows and not decode_rows:
             return None
         bs = self.block_size
         tables = out.block_tables
-        # Decode rows compute a sequence's one last token; everything else is a span (a chunk may be one token).
-        prefill_idx = [i for i, r in enumerate(rows) if r.end - r.start > 1 or not r.samples]
-        decode_idx = [i for i, r in enumerate(rows) if r.end - r.start <= 1 and r.samples]
 
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         spans: list[PrefillSpan] = []
-        last_token = [0] * len(rows)
+        logits_indices = [0] * num_sampled  # each sampled row's last token, in the scheduler's row order
         prompt_rows: dict[str, tuple[int, int]] = {}
-        for i in prefill_idx:
-            seq, group, start, end, _ = rows[i]
+        for seq, group, start, end, logits_row in prefill_rows:
             table = tables[seq.seq_id]
             offset = len(tokens)
             tokens += seq.all_token_ids[start:end]
@@ -148,24 +148,21 @@ class ModelRunner:
             if start > 0:  # the prefix cache holds tokens [0, start): attention reads them back from the blocks
                 cached_table = torch.tensor(table[: (end + bs - 1) // bs], dtype=torch.int32, device=self.device)
             spans.append(PrefillSpan(offset, len(tokens), end, cached_table))
-            last_token[i] = len(tokens) - 1
-            if group.sampling_params.prompt_logprobs is not None:
-                prompt_end = min(end, len(seq.prompt_token_ids))
-                if prompt_end > start:
-                    prompt_rows[group.request_id] = (offset, offset + prompt_end - start)
+            if logits_row is not None:
+                logits_indices[logits_row] = len(tokens) - 1
+            num_prompt_positions = logits_positions(group, seq, start, end)
+            if num_prompt_positions:
+                prompt_rows[group.request_id] = (offset, offset + num_prompt_positions)
         num_prefill_tokens = len(tokens)
 
         decode_tables, decode_lens = [], []
-        for i in decode_idx:
-            seq, group, start, end, _ = rows[i]
+        for seq, _, _, end, logits_row in decode_rows:  # one token each: the last one, at position end - 1
             table = tables[seq.seq_id]
-            p = end - 1
-            last_token[i] = len(tokens)
-            if group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids):
-                prompt_rows[group.request_id] = (len(tokens), len(tokens) + 1)  # a one-token prompt
-            tokens.append(seq.get_last_token_id() if end > 0 else 0)
-            positions.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+            position = end - 1
+            logits_indices[logits_row] = len(tokens)
+            tokens.append(seq.get_last_token_id())
+            positions.append(position)
+            slots.append(table[position // bs] * bs + position % bs)
             decode_tables.append(table)
             decode_lens.append(end)
 
@@ -175,7 +172,7 @@ class ModelRunner:
             num_prefill_tokens=num_prefill_tokens,
             prefill_bias=make_prefill_bias(spans) if self.device.type == "cuda" else None,
         )
-        if decode_idx:
+        if decode_rows:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables], torch.int32)
             meta.decode_context_lens = self._tensor(decode_lens, torch.int32)
@@ -183,7 +180,7 @@ class ModelRunner:
             input_ids=self._tensor(tokens, torch.int64),
             positions=self._tensor(positions, torch.int64),
             meta=meta,
-            logits_indices=self._tensor([last_token[i] for i, r in enumerate(rows) if r.samples], torch.int64),
+            logits_indices=self._tensor(logits_indices, torch.int64),
             prompt_rows=prompt_rows,
         )
 

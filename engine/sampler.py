@@ -9,8 +9,8 @@ from engine import ops
 from engine.sampling_params import SamplingParams
 from engine.sequence import Logprobs, Sequence, SequenceGroup
 
-# Logprobs reported to the client (Sample.logprobs, prompt logprobs, cumulative_logprob)
-# are log_softmax of the RAW model logits, before penalties, bias or temperature:
+# Logprobs reported to the client (Sample.logprobs, cumulative_logprob; prompt logprobs too,
+# engine/prompt_logprobs.py) are log_softmax of the RAW model logits, before penalties, bias or temperature:
 # that is what vLLM v0.2 and OpenAI report, and what HF's log_softmax parity check expects.
 # Beam search ranks candidates with the log_softmax of the ADJUSTED logits
 # (penalties, bias, min_tokens) so that e.g. a masked EOS can never be chosen.
@@ -22,13 +22,10 @@ class Sample(NamedTuple):
     logprobs: Logprobs  # the sampled token plus the top-`logprobs` alternatives
 
 
-def _is_first_token(seqs: list[Sequence]) -> bool:
-    return len(seqs) == 1 and seqs[0].get_output_len() == 0
-
-
-def _num_samples(params: SamplingParams, seqs: list[Sequence]) -> int:
+def _num_samples(group: SequenceGroup) -> int:
     """Samples drawn per row: best_of from the single row before the first token, else one."""
-    return params.best_of if _is_first_token(seqs) and not params.greedy else 1
+    params = group.sampling_params
+    return params.best_of if group.before_first_token() and not params.greedy else 1
 
 
 class Sampler:
@@ -68,7 +65,7 @@ class Sampler:
                 beam_parts[gi] = (len(slot_rows), count)
                 slot_rows.extend([starts[gi]] * count)  # placeholder, replaced below
                 continue
-            reps = _num_samples(params, seqs)
+            reps = _num_samples(group)
             for r in range(len(seqs)):
                 for _ in range(reps):
                     (greedy_slots if params.greedy else random_slots).append(len(slot_rows))
@@ -92,7 +89,7 @@ class Sampler:
         for gi, (first, count) in beam_parts.items():
             group, seqs = groups[gi]
             rows, tokens = _beam_candidates(
-                torch.log_softmax(logits[starts[gi] : starts[gi] + len(seqs)], dim=-1), seqs, count
+                torch.log_softmax(logits[starts[gi] : starts[gi] + len(seqs)], dim=-1), group, seqs, count
             )
             slot_rows_t[first : first + count] = rows + starts[gi]
             slot_tokens[first : first + count] = tokens
@@ -202,7 +199,7 @@ class Sampler:
         slot = 0
         for gi, (group, seqs) in enumerate(groups):
             params = group.sampling_params
-            count = 2 * params.best_of if params.use_beam_search else len(seqs) * _num_samples(params, seqs)
+            count = 2 * params.best_of if params.use_beam_search else len(seqs) * _num_samples(group)
             want = params.logprobs or 0
             samples = []
             for s in range(slot, slot + count):
@@ -327,43 +324,15 @@ def apply_min_p(
 
 def _beam_candidates(
     logprobs: torch.Tensor,  # [num_beams, vocab], adjusted
-    seqs: list[Sequence],
+    group: SequenceGroup,
+    seqs: list[Sequence],  # the group's RUNNING beams, one per row
     count: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([count] beam index, [count] token id)
     """The best `count` (beam, token) extensions by cumulative logprob, as vLLM v0.2 does."""
     vocab = logprobs.shape[-1]
-    if _is_first_token(seqs):
+    if group.before_first_token():
         _, tokens = logprobs[0].topk(count)
         return torch.zeros_like(tokens), tokens
     cum = torch.tensor([s.cumulative_logprob for s in seqs], dtype=logprobs.dtype, device=logprobs.device)
     _, flat = (logprobs + cum.unsqueeze(1)).flatten().topk(count)
     return flat // vocab, flat % vocab
-
-
-def prompt_logprobs(
-    logits: torch.Tensor,  # [num_positions, vocab]: the logits of prompt positions start, start + 1, ...
-    prompt_token_ids: list[int],
-    k: int,
-    start: int = 0,
-) -> list[Optional[Logprobs]]:
-    """Logprob of each prompt token given the ones before it, plus the top-k.
-
-    From the whole prompt (start 0): one entry per token, entry 0 None. From a later chunk of it: the entries of
-    tokens start + 1 .. start + len(logits), as far as prompt_token_ids goes.
-    """
-    n = len(prompt_token_ids)
-    out: list[Optional[Logprobs]] = [None] if start == 0 else []
-    rows = min(logits.shape[0], n - 1 - start)  # row i predicts token start + i + 1
-    if rows <= 0:
-        return out if n else []
-    logprobs = torch.log_softmax(logits[:rows].float(), dim=-1)
-    targets = torch.tensor(prompt_token_ids[start + 1 : start + 1 + rows], dtype=torch.long, device=logits.device)
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long()))
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for i in range(rows):
-        entry = {prompt_token_ids[start + i + 1]: chosen[i]}
-        for tid, val in zip(top_ids[i], top_vals[i]):
-            entry.setdefault(tid, val)
-        out.append(entry)
-    return out

@@ -12,16 +12,24 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class ScheduledGroup(NamedTuple):
-    """A group that runs this step; the model computes tokens [num_computed_tokens, get_len()) of its RUNNING seqs.
+    """A group that runs this step, and the scheduler's decision about the step; the runner, the sampler and
+    the engine read these fields and derive nothing from token counts.
 
-    With chunked prefill a one-sequence group may compute only the next `num_tokens` of its prompt: `samples`
-    is then False, and nothing is sampled for it until the chunk that reaches the prompt's end.
+    is_prefill True: each RUNNING sequence computes its uncomputed tokens as one span (a prompt, a prompt
+    recomputed after preemption, or a chunk of it), however many they are, one included. False: a decode, one
+    token per RUNNING sequence. A chunk short of the prompt's end (chunked prefill, one sequence) computes only
+    the next `num_tokens` tokens and has `do_sample` False: nothing is sampled for it until the chunk that
+    reaches the end.
     """
 
     group: SequenceGroup
     is_prefill: bool
-    num_tokens: int
-    samples: bool = True
+    num_tokens: int  # tokens computed this step, over all its RUNNING sequences
+    do_sample: bool = True
+
+    def span_end(self, seq: Sequence) -> int:
+        """Where this step's computed tokens of `seq` (one of the group's RUNNING sequences) end."""
+        return seq.get_len() if self.do_sample else seq.num_computed_tokens + self.num_tokens
 
 
 @dataclass
@@ -56,7 +64,7 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step which groups prefill, which decode, and which are preempted by recompute or swap.
 
-    Default (vLLM's v0 rules, ARCHITECTURE.md): a step either prefills whole prompts or decodes every running
+    Default (vLLM's v0 rules, docs/internals.md): a step either prefills whole prompts or decodes every running
     group. With `enable_chunked_prefill` a step mixes both under one token budget: every running decode first,
     then the next chunk of prompts already started, then swapped groups, then new prompts, the last one cut to
     what is left of the budget (a long prompt takes several steps, and the decodes go on meanwhile).
@@ -150,7 +158,7 @@ class Scheduler:
 
     def _schedule_chunk(self, group: SequenceGroup, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """The next chunk of a one-sequence group's prompt (its blocks were all allocated at admission); its size."""
-        num_tokens = _chunk_size(seq.num_uncomputed_tokens(), budget)
+        num_tokens = min(seq.num_uncomputed_tokens(), max(budget, 0))
         if num_tokens > 0:
             out.scheduled.append(ScheduledGroup(group, True, num_tokens, num_tokens == seq.num_uncomputed_tokens()))
             out.block_tables[seq.seq_id] = self.block_manager.block_tables[seq.seq_id]
@@ -175,7 +183,7 @@ class Scheduler:
             # A one-sequence prompt may start with a chunk of what the budget has left (chunked prefill).
             chunkable = self.chunked_prefill and len(seqs) == 1
             if chunkable:
-                too_long = _chunk_size(num_tokens, token_budget) == 0
+                too_long = False  # (token_budget > 0 here: at least one token of it runs)
             else:  # with chunked prefill, a recomputed group of several sequences may overrun the budget, alone
                 too_long = num_tokens > token_budget and not (
                     self.chunked_prefill and not any(sg.is_prefill for sg in out.scheduled))
@@ -369,10 +377,11 @@ class Scheduler:
     def update_computed(self, out: SchedulerOutput) -> None:
         """Call right after the forward, before new tokens are appended: what ran now has K/V in the cache."""
         caching = self.block_manager.enable_prefix_caching
-        for group, _, num_tokens, samples in out.scheduled:
+        for scheduled in out.scheduled:
+            group = scheduled.group
             for seq in group.seqs:
-                if seq.status is SequenceStatus.RUNNING:  # (not samples: a chunk of the one running sequence's prompt)
-                    seq.num_computed_tokens = seq.get_len() if samples else seq.num_computed_tokens + num_tokens
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.num_computed_tokens = scheduled.span_end(seq)
             if caching:
                 self.block_manager.mark_blocks_as_computed(group)
 
@@ -393,17 +402,10 @@ class Scheduler:
         self.running = deque(group for group in self.running if not group.is_finished())
 
 
-def _chunk_size(num_uncomputed: int, budget: int) -> int:
-    """The whole rest of a prompt if it fits, else what the budget allows but never all but one token: a lone
-    last token would be scheduled as a decode, so it is computed together with the one before it. 0: wait."""
-    if num_uncomputed <= budget:
-        return num_uncomputed
-    return max(0, min(budget, num_uncomputed - 2))
-
-
 def _is_mid_prefill(seqs: list[Sequence]) -> bool:
-    """One sequence with more than its next token still to compute: a prompt between chunks."""
-    return len(seqs) == 1 and seqs[0].num_uncomputed_tokens() > 1
+    """One sequence with more to compute than the token it sampled last: a prompt (or a sequence recomputed
+    after preemption) between chunks. Its next step is a prefill chunk, however few tokens are left."""
+    return len(seqs) == 1 and (seqs[0].num_uncomputed_tokens() > 1 or not seqs[0].output_token_ids)
 
 
 def _mid_prefill_seq(group: SequenceGroup) -> Optional[Sequence]:

@@ -161,13 +161,14 @@ class SequenceGroup:
     def remove(self, seq_id: int) -> None:
         self.seqs = [s for s in self.seqs if s.seq_id != seq_id]
 
+    def before_first_token(self) -> bool:
+        """No token sampled yet: one sequence, whose next sampling draws best_of tokens (or beams) from one row."""
+        return len(self.seqs) == 1 and not self.seqs[0].output_token_ids
+
     def get_max_num_running_seqs(self) -> int:
         """Most sequences this group may run at once over its remaining life."""
         params = self.sampling_params
-        if params.use_beam_search:
-            return params.best_of
-        if len(self.seqs) == 1 and self.seqs[0].get_output_len() == 0:
-            # Before the first token there is one sequence; it forks to best_of.
+        if params.use_beam_search or self.before_first_token():  # the one sequence forks to best_of
             return params.best_of
         return len(self.unfinished_seqs())
 

@@ -20,7 +20,7 @@ class StepLog:
 
         def logged():
             out = schedule()
-            self.steps.append([(sg.group.request_id, sg.is_prefill, sg.num_tokens, sg.samples) for sg in out.scheduled])
+            self.steps.append([(sg.group.request_id, sg.is_prefill, sg.num_tokens, sg.do_sample) for sg in out.scheduled])
             return out
 
         scheduler.schedule = logged

@@ -44,7 +44,8 @@ class PagedBatch:
             while len(table) * self.block_size < seq.get_len():
                 table.append(self.free.pop())
             n = seq.num_uncomputed_tokens()
-            scheduled.append(ScheduledGroup(g, n > 1, n))
+            is_decode = n == 1 and seq.get_output_len() > 0  # this harness plays the scheduler
+            scheduled.append(ScheduledGroup(g, not is_decode, n))
         out = SchedulerOutput(scheduled=scheduled, block_tables={s.group.seqs[0].seq_id: self.tables[s.group.seqs[0].seq_id] for s in scheduled})
         logits, prompt_logits = self.runner.execute(out, self.cache.device_cache)
         for g in groups:

@@ -89,8 +89,9 @@ class EngineCoreMachine(RuleBasedStateMachine):
         assert not over or (self.sched.chunked_prefill and len(prompts) == 1 and len(prompts[0].group.seqs) > 1)
         for sg in out.scheduled:
             running = sg.group.get_seqs(SequenceStatus.RUNNING)
-            assert sg.samples or (sg.is_prefill and len(running) == 1 and
-                                  sg.num_tokens <= running[0].num_uncomputed_tokens() - 2)
+            assert sg.do_sample or (sg.is_prefill and len(running) == 1 and
+                                    sg.num_tokens < running[0].num_uncomputed_tokens())
+            assert sg.is_prefill or sg.num_tokens == len(running)  # a decode computes one token per sequence
         for group in out.ignored:
             assert group.is_finished() and group.error
         self.last_out = out
@@ -104,7 +105,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
         sched.update_computed(out)
         for scheduled in out.scheduled:
             group = scheduled.group
-            if not scheduled.samples:  # a prompt chunk short of the prompt's end: no token yet
+            if not scheduled.do_sample:  # a prompt chunk short of the prompt's end: no token yet
                 continue
             running = group.get_seqs(SequenceStatus.RUNNING)  # empty if aborted or preempted since schedule()
             params = group.sampling_params

@@ -10,7 +10,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, prompt_logprobs
+from engine.prompt_logprobs import compute_prompt_logprobs
+from engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -233,7 +234,7 @@ def test_beam_candidates_first_and_later_steps():
 def test_prompt_logprobs():
     logits = rand_logits(4, seed=8)
     prompt = [3, 17, 2, 40]
-    out = prompt_logprobs(logits, prompt, 2)
+    out = compute_prompt_logprobs(logits, prompt, 2)
     ref = torch.log_softmax(logits, -1)
     assert out[0] is None and len(out) == 4
     for i in range(1, 4):

@@ -331,13 +331,13 @@ def finish_chunked_step(sched: Scheduler, out: SchedulerOutput, token: int = 1) 
     """As finish_step, but a prompt chunk short of the prompt's end gets no token."""
     sched.update_computed(out)
     for scheduled in out.scheduled:
-        if scheduled.samples:
+        if scheduled.do_sample:
             for seq in scheduled.group.get_seqs(SequenceStatus.RUNNING):
                 seq.append_token(token, {token: 0.0})
 
 
 def step_summary(out: SchedulerOutput) -> list[tuple[str, bool, int, bool]]:
-    return [(s.group.request_id, s.is_prefill, s.num_tokens, s.samples) for s in out.scheduled]
+    return [(s.group.request_id, s.is_prefill, s.num_tokens, s.do_sample) for s in out.scheduled]
 
 
 def test_chunked_prefill_decodes_first_then_prompt_chunks():
@@ -354,7 +354,7 @@ def test_chunked_prefill_decodes_first_then_prompt_chunks():
         assert out.num_batched_tokens <= 16
         steps.append(step_summary(out))
         finish_chunked_step(sched, out)
-    # a decodes in every step; b takes what is left: 15, 15, then the last 10 (never all but one token).
+    # a decodes in every step; b takes what is left: 15, 15, then the last 10.
     assert steps == [[("a", False, 1, True), ("b", True, 15, False)],
                      [("a", False, 1, True), ("b", True, 15, False)],
                      [("a", False, 1, True), ("b", True, 10, True)]]
@@ -364,14 +364,15 @@ def test_chunked_prefill_decodes_first_then_prompt_chunks():
     assert len(sched.block_manager.block_tables[b.seqs[0].seq_id]) == 6
 
 
-def test_chunk_never_leaves_a_single_token():
+def test_a_chunk_may_leave_one_token_which_is_still_a_prefill():
     sched = make_chunked(budget=16)
     group = make_group("a", 17)
     sched.add_seq_group(group)
     out = sched.schedule()
-    assert step_summary(out) == [("a", True, 15, False)]  # 16 would leave the last token alone
+    assert step_summary(out) == [("a", True, 16, False)]
     finish_chunked_step(sched, out)
-    assert step_summary(sched.schedule()) == [("a", True, 2, True)]
+    # One prompt token left: the scheduler says a one-token prefill chunk that samples, not a decode.
+    assert step_summary(sched.schedule()) == [("a", True, 1, True)]
 
 
 def test_chunked_prompt_limit_is_max_model_len():

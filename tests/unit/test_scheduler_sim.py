@@ -56,8 +56,8 @@ class FingerprintCache:
     def forward(self, out: SchedulerOutput) -> dict[int, int]:
         """Write the computed slots of every running sequence, then read all its slots: seq_id -> last slot read.
 
-        A prompt chunk (samples False) writes and reads only up to the chunk's end."""
-        running = [(seq, len(seq.all_token_ids) if sg.samples else seq.num_computed_tokens + sg.num_tokens)
+        A prompt chunk (do_sample False) writes and reads only up to the chunk's end."""
+        running = [(seq, sg.span_end(seq))
                    for sg in out.scheduled for seq in sg.group.get_seqs(SequenceStatus.RUNNING)]
         for seq, end in running:
             table, tokens = out.block_tables[seq.seq_id], seq.all_token_ids
@@ -111,7 +111,7 @@ def simulate(requests: list[Request], num_device_blocks: int, num_cpu_blocks: in
         events["batched_tokens"] += out.num_batched_tokens
         if config.enable_chunked_prefill:
             events["mixed"] += any(sg.is_prefill for sg in out.scheduled) and not all(sg.is_prefill for sg in out.scheduled)
-            events["chunks"] += sum(not sg.samples for sg in out.scheduled)
+            events["chunks"] += sum(not sg.do_sample for sg in out.scheduled)
             events["over_budget"] += out.num_batched_tokens > config.max_num_batched_tokens
         else:
             assert out.num_batched_tokens <= config.max_num_batched_tokens
@@ -119,7 +119,7 @@ def simulate(requests: list[Request], num_device_blocks: int, num_cpu_blocks: in
         last_read = cache.forward(out)
         sched.update_computed(out)
         for scheduled in out.scheduled:
-            if scheduled.samples:
+            if scheduled.do_sample:
                 _sample(sched, scheduled.group, last_read, seq_ids)
         sched.free_finished_seq_groups()
         check_ref_counts(sched)
