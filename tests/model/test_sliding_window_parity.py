@@ -51,21 +51,27 @@ def hf_outputs(mistral_dir, prompts) -> list[list[int]]:
     return expected
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {},
-    # Prompt chunks read a cached prefix through the window; a second round hits the prefix cache.
-    dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True),
-], ids=["plain", "chunked-prefix-cached"])
-def test_greedy_matches_hf_past_the_window(mistral_dir, prompts, hf_outputs, engine_kwargs):
+@pytest.mark.parametrize("engine_kwargs,rounds", [
+    ({}, 1),
+    # Prompt chunks read a cached prefix through the window; the second round hits the prefix cache.
+    (dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True), 2),
+    # 9 blocks of 8 for 3 sequences of up to 61 tokens: one is swapped out (released entries stay released
+    # on the host) and back in.
+    (dict(num_gpu_blocks_override=9, max_model_len=64, preemption_mode="swap"), 1),
+], ids=["plain", "chunked-prefix-cached", "swap-preempted"])
+def test_greedy_matches_hf_past_the_window(mistral_dir, prompts, hf_outputs, engine_kwargs, rounds):
     llm = LLM(str(mistral_dir), device="cpu", dtype="float32", block_size=8, **engine_kwargs)
     bm = llm.engine.scheduler.block_manager
     assert bm.sliding_window == WINDOW
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for _ in range(2 if engine_kwargs else 1):
+    for _ in range(rounds):
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         for prompt, out, expected in zip(prompts, outputs, hf_outputs):
             assert out.outputs[0].token_ids == expected, f"prompt of {len(prompt)} tokens"
         assert bm.get_num_free_device_blocks() == bm.num_device_blocks and not bm.block_tables
+        assert bm.get_num_free_cpu_blocks() == bm.num_cpu_blocks and not bm.cpu_block_tables
+    if "preemption_mode" in engine_kwargs:
+        assert llm.engine.get_stats().num_preemptions_swap >= 1
 
 
 def test_long_generation_holds_only_the_window(mistral_dir, prompts, hf_outputs):
