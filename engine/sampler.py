@@ -104,7 +104,8 @@ class Sampler:
         rows_params = [(group.sampling_params, seq) for group, seqs in groups for seq in seqs]
         if any(_has_penalty(p) for p, _ in rows_params):
             logits = apply_penalties(logits, rows_params)
-        extra = [(r, p, s) for r, (p, s) in enumerate(rows_params) if p.logit_bias or _blocks_stop(p, s)]
+        extra = [(r, p, s) for r, (p, s) in enumerate(rows_params)
+                 if p.logit_bias or _blocks_stop(p, s) or p.allowed_token_ids or p.bad_words_token_ids]
         if extra:
             logits = logits.clone()
             for r, params, seq in extra:
@@ -119,6 +120,13 @@ class Sampler:
                     if self.eos_token_id is not None and not params.ignore_eos:
                         stop_ids.append(self.eos_token_id)
                     logits[r, [t for t in stop_ids if t < vocab]] = float("-inf")
+                if params.allowed_token_ids:
+                    allowed = torch.full((vocab,), float("-inf"), dtype=logits.dtype, device=logits.device)
+                    allowed[[t for t in params.allowed_token_ids if t < vocab]] = 0.0
+                    logits[r] += allowed
+                banned = _bad_word_ends(params, seq)
+                if banned:
+                    logits[r, [t for t in banned if t < vocab]] = float("-inf")
         return logits
 
     # ---- random sampling ---------------------------------------------------
@@ -220,6 +228,13 @@ def _has_penalty(p: SamplingParams) -> bool:
 
 def _blocks_stop(params: SamplingParams, seq: Sequence) -> bool:
     return seq.get_output_len() < params.min_tokens
+
+
+def _bad_word_ends(params: SamplingParams, seq: Sequence) -> list[int]:
+    """The last token of every bad word whose earlier tokens end the output so far (vLLM's NoBadWords rule)."""
+    out = seq.output_token_ids
+    return [word[-1] for word in params.bad_words_token_ids or ()
+            if len(word) - 1 <= len(out) and out[len(out) - len(word) + 1:] == word[:-1]]
 
 
 def _row_params(groups, starts) -> dict[int, SamplingParams]:

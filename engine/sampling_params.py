@@ -34,6 +34,9 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
+    # Token ids of each banned word: its last token is masked whenever the output ends with the others.
+    bad_words_token_ids: Optional[list[list[int]]] = None
     max_logprobs: int = field(default=20, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +98,12 @@ class SamplingParams:
             fail("stop", "cannot contain an empty string.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers.")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids", "must be a non-empty list of non-negative integers.")
+        if self.bad_words_token_ids and any(not word for word in self.bad_words_token_ids):
+            fail("bad_words", "cannot contain a word without tokens.")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             fail("logit_bias", "values must be in [-100, 100].")
         if self.use_beam_search:

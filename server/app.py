@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server import __version__
 from server.errors import error_response, install_error_handlers
 from server.limits import integer_bounds
-from server.preprocess import ServerContext
+from server.context import ServerContext
 from server.routes import build_router
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context

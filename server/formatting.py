@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 from engine.sequence import CompletionOutput, Logprobs, RequestOutput
 from server.errors import APIError
-from server.preprocess import Job, JobKind
+from server.job import Job, JobKind
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

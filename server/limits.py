@@ -3,7 +3,7 @@
 A value that passes these fits the type the engine keeps it in: seeds seed a torch.Generator (int64), token ids,
 counts and lengths are int32 tensor entries or loop bounds, floats are finite doubles, text encodes as UTF-8.
 Limits that depend on the served model (vocabulary size, context length, --max-logprobs, --max-num-seqs, the
-KV cache) are checked against the ServerContext in server/preprocess.py; they are all tighter than these.
+KV cache) are checked against the ServerContext (server/context.py) in server/preprocess.py; they are all tighter than these.
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_MESSAGES = 1024
 MAX_CONTENT_PARTS = 256  # parts of one chat message
+MAX_DOCUMENTS = 256  # chat's documents
+MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
+MAX_REQUEST_ID = 256  # characters of a client's request_id
 
 
 def _utf8(value: str) -> str:
@@ -46,6 +49,8 @@ TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1 = off; 0 is refused by S
 NumLogprobs = Annotated[int, Field(ge=0, le=INT32_MAX)]  # and at most --max-logprobs (SamplingParams)
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]  # ranges per field: SamplingParams
+TruncateTokens = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1: the context length; 0 is refused (preprocess)
+RequestId = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_REQUEST_ID)]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]  # logit_bias keys: a decimal token id
 
 TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
@@ -54,6 +59,8 @@ StopList = Annotated[list[Text], Field(max_length=MAX_STOP)]
 TextPrompts = Annotated[list[Text], Field(max_length=MAX_PROMPTS)]
 TokenPrompts = Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
 LogitBias = Annotated[dict[TokenIdKey, Finite], Field(max_length=MAX_LOGIT_BIAS)]
+TemplateKwargs = Annotated[dict[Text, Any], Field(max_length=MAX_TEMPLATE_KWARGS)]
+Documents = Annotated[list[dict[Text, Text]], Field(max_length=MAX_DOCUMENTS)]
 
 
 _EXACT = {float(b): b for b in (INT64_MIN, INT64_MAX, -INT32_MAX - 1, INT32_MAX)}

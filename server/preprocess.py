@@ -1,62 +1,20 @@
 """Request body -> Job: prompts as token ids, one SamplingParams, every check that makes a 400."""
 from __future__ import annotations
 
-import enum
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from engine.sampling_params import SamplingParams
+from server.context import ServerContext
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from server.job import Job, JobKind
+from server.protocol import ChatCompletionRequest, ChatMessage, ChatTemplateFields, CompletionRequest, SamplingFields
 
-
-class JobKind(enum.Enum):
-    COMPLETION = "completion"
-    CHAT = "chat"
-
-
-@dataclass
-class ServerContext:
-    """What handlers share: the engine and the served model's facts (no module globals)."""
-
-    engine: Any  # AsyncLLMEngine
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    api_key: Optional[str] = None
-    shutdown_timeout_s: float = 10.0  # how long streams may outlive SIGTERM before the engine ends them
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-
-@dataclass
-class Job:
-    """One API call: its prompts (each a separate engine request) sharing one SamplingParams."""
-
-    kind: JobKind
-    id: str
-    created: int
-    model: str
-    prompts: list[list[int]]
-    prompt_texts: list[str]
-    params: SamplingParams
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    logprobs: Optional[int] = None  # completions: top-k per token; chat: top_logprobs
-    chat_logprobs: bool = False
-
-    def request_id(self, prompt_index: int) -> str:
-        return f"{self.id}-{prompt_index}"
-
-    def choice_index(self, prompt_index: int, choice: int) -> int:
-        # vLLM's numbering: prompt i's j-th choice is i * n + j.
-        return prompt_index * self.params.n + choice
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (they would change what it returns).
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "tools", "chat_template", "tokenize", "padding", "truncation",
+                             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                             "tokenizer_kwargs"}
 
 
 def check_model(ctx: ServerContext, model: Optional[str]) -> None:
@@ -64,19 +22,25 @@ def check_model(ctx: ServerContext, model: Optional[str]) -> None:
         raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
 
+def job_id(prefix: str, body: SamplingFields) -> str:
+    return f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+
+
 def completion_job(ctx: ServerContext, body: CompletionRequest) -> Job:
     check_model(ctx, body.model)
     if body.suffix is not None:
         raise APIError("suffix is not supported.", 400, "suffix")
-    prompts, texts = _completion_prompts(ctx, body.prompt)
-    want_prompt_logprobs = body.echo and body.logprobs is not None
+    prompts, texts = _completion_prompts(ctx, body)
+    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = _sampling_params(
         ctx, body, prompts, body.max_tokens,
-        logprobs=body.logprobs, prompt_logprobs=body.logprobs if want_prompt_logprobs else None,
+        logprobs=body.logprobs, prompt_logprobs=_max_or_none(echo_logprobs, body.prompt_logprobs),
     )
     return Job(
-        JobKind.COMPLETION, f"cmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name, prompts, texts, params,
-        stream=body.stream, include_usage=_include_usage(body), echo=body.echo, logprobs=body.logprobs,
+        JobKind.COMPLETION, job_id("cmpl", body), int(time.time()), ctx.model_name, prompts, texts, params,
+        stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
+        echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
+        tokens_as_ids=body.return_tokens_as_token_ids, priority=body.priority,
     )
 
 
@@ -86,24 +50,42 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
         raise APIError("messages must contain at least one message.", 400, "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
-    text = render_chat(ctx, body.messages, body.add_generation_prompt)
-    ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = render_chat(ctx, body.messages, body)
+    ids = _truncate(ctx, body, ctx.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
     _check_prompt(ctx, ids, "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs)
+    params = _sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+    last = body.messages[-1]
+    echo_text = _content_text(last.content) if body.echo and last.role == "assistant" else ""
     return Job(
-        JobKind.CHAT, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name, [ids], [text], params,
-        stream=body.stream, include_usage=_include_usage(body), logprobs=logprobs, chat_logprobs=body.logprobs,
+        JobKind.CHAT, job_id("chatcmpl", body), int(time.time()), ctx.model_name, [ids], [text], params,
+        stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
+        echo=body.echo, echo_text=echo_text, logprobs=logprobs, chat_logprobs=body.logprobs,
+        prompt_logprobs=body.prompt_logprobs, tokens_as_ids=body.return_tokens_as_token_ids, priority=body.priority,
     )
 
 
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTemplateFields) -> str:
     """The tokenizer's chat template over messages whose content parts are joined into one string."""
     plain = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
+    if options.continue_final_message and options.add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true.", 400,
+                       "continue_final_message")
+    if options.continue_final_message and messages[-1].role != "assistant":
+        raise APIError("continue_final_message needs the last message to be the assistant's.", 400,
+                       "continue_final_message")
+    kwargs: dict[str, Any] = dict(add_generation_prompt=options.add_generation_prompt,
+                                  continue_final_message=options.continue_final_message)
+    if options.documents is not None:
+        kwargs["documents"] = options.documents
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(options.chat_template_kwargs or {}))
+    if reserved:
+        raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}.", 400, "chat_template_kwargs")
+    kwargs.update(options.chat_template_kwargs or {})
     try:
-        return ctx.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as exc:  # a template may reject an order of roles
+        return ctx.tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
+    except Exception as exc:  # a template may reject an order of roles, or raise_exception(...) on its own
         raise APIError(f"messages could not be rendered with the chat template: {exc}", 400, "messages") from exc
 
 
@@ -121,8 +103,17 @@ def _include_usage(body: SamplingFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[list[int]], list[str]]:
+def _continuous_usage(body: SamplingFields) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.continuous_usage_stats)
+
+
+def _max_or_none(a: Optional[int], b: Optional[int]) -> Optional[int]:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
     """Normalise the four prompt forms to token-id lists (and their texts, for echo)."""
+    prompt: Any = body.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -134,16 +125,31 @@ def _completion_prompts(ctx: ServerContext, prompt: Any) -> tuple[list[list[int]
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = ctx.tokenizer(item)["input_ids"] if item else []
-            text = item
+            ids = ctx.tokenizer(item, add_special_tokens=body.add_special_tokens)["input_ids"] if item else []
         else:
             ids = list(item)
             check_token_ids(ctx, ids, "prompt")
-            text = ctx.tokenizer.decode(ids) if ids else ""
-        _check_prompt(ctx, ids, "prompt")
-        prompts.append(ids)
+        truncated = _truncate(ctx, body, ids)
+        if isinstance(item, str) and truncated is ids:
+            text = item
+        else:
+            text = ctx.tokenizer.decode(truncated) if truncated else ""
+        _check_prompt(ctx, truncated, "prompt")
+        prompts.append(truncated)
         texts.append(text)
     return prompts, texts
+
+
+def _truncate(ctx: ServerContext, body: SamplingFields, ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the context length); ids itself when untouched."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == 0:
+        raise APIError("truncate_prompt_tokens must be -1 or at least 1, got 0.", 400, "truncate_prompt_tokens")
+    if k == -1:
+        k = ctx.max_model_len
+    return ids if len(ids) <= k else ids[-k:]
 
 
 def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
@@ -188,6 +194,8 @@ def _sampling_params(
         raise _context_error(ctx, longest, max_tokens)
     if body.stop_token_ids:
         check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
+    if body.allowed_token_ids is not None:
+        check_token_ids(ctx, body.allowed_token_ids, "allowed_token_ids")
     try:
         params = SamplingParams(
             n=body.n, best_of=body.best_of, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -197,12 +205,29 @@ def _sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
             max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens, logit_bias=_logit_bias(ctx, body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids, bad_words_token_ids=_bad_words(ctx, body.bad_words),
             max_logprobs=ctx.engine.config.max_logprobs,
         )
     except ValueError as exc:
         raise APIError.from_value_error(exc) from exc
     _check_capacity(ctx, params, longest, "best_of" if body.best_of is not None else "n")
     return params
+
+
+def _bad_words(ctx: ServerContext, words: Optional[list[str]]) -> Optional[list[list[int]]]:
+    """Each word's token ids at the start of the text and, where they differ, after a space (vLLM's rule)."""
+    if not words:
+        return None
+    out: list[list[int]] = []
+    for word in words:
+        bare = ctx.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise APIError(f"bad_words: {word!r} has no tokens.", 400, "bad_words")
+        out.append(bare)
+        spaced = ctx.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
 
 
 def _check_capacity(ctx: ServerContext, params: SamplingParams, prompt_len: int, param: str) -> None:

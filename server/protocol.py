@@ -6,29 +6,45 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.limits import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, Finite, LogitBias, MinTokens, NumChoices, NumLogprobs, NumTokens, Seed,
-    StopList, StopTokenIds, Text, TextPrompts, TokenIds, TokenPrompts, TopK, TopLogprobs,
+    MAX_CONTENT_PARTS, MAX_MESSAGES, Documents, Finite, LogitBias, MinTokens, NumChoices, NumLogprobs, NumTokens,
+    Priority, RequestId, Seed, StopList, StopTokenIds, TemplateKwargs, Text, TextPrompts, TokenIds, TokenPrompts, TopK,
+    TopLogprobs, TruncateTokens,
 )
-
-# Unknown fields are rejected, and values are not coerced across types ("5" is not 5).
-# Every value's bounds come from the types of server/limits.py.
-_STRICT = ConfigDict(extra="forbid", strict=True)
 
 PromptType = Union[Text, TextPrompts, TokenIds, TokenPrompts]
 StopType = Union[Text, StopList, None]
 
 
-class StreamOptions(BaseModel):
-    """`stream_options`: only include_usage is defined."""
+class RequestModel(BaseModel):
+    """A request body: values are not coerced across types ("5" is not 5) and their bounds come from the types
+    of server/limits.py. Unknown fields are accepted and ignored, as vLLM does, so that clients written for newer
+    servers keep working; they stay in `model_extra` for unknown_fields() to report."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """The dotted names of every ignored field of `body` and of the models nested in it (list items included)."""
+    names = [prefix + name for name in (body.model_extra or {})]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, BaseModel):
+                names += [n for n in unknown_fields(item, f"{prefix}{name}.") if n not in names]
+    return names
+
+
+class StreamOptions(RequestModel):
+    """`stream_options`: usage in a last chunk, and (vLLM) the running usage on every chunk."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Parameters shared by completions and chat (OpenAI + vLLM extensions)."""
 
-    model_config = _STRICT
     model: Optional[Text] = None
     n: NumChoices = 1
     temperature: Finite = 1.0
@@ -46,12 +62,21 @@ class SamplingFields(BaseModel):
     min_tokens: MinTokens = 0
     logit_bias: Optional[LogitBias] = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     best_of: Optional[NumChoices] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[Text] = None
+    # vLLM's extensions
+    truncate_prompt_tokens: Optional[TruncateTokens] = None  # keep the last k prompt tokens; -1: max_model_len
+    prompt_logprobs: Optional[NumLogprobs] = None
+    allowed_token_ids: Optional[TokenIds] = None
+    bad_words: Optional[StopList] = None
+    return_tokens_as_token_ids: bool = False
+    priority: Priority = 0  # lower runs first under --scheduling-policy priority
+    request_id: Optional[RequestId] = None  # the response's id is the endpoint's prefix + this
 
 
 class CompletionRequest(SamplingFields):
@@ -62,21 +87,20 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[NumLogprobs] = None
     suffix: Optional[Text] = None
+    add_special_tokens: bool = True
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     """One `{"type": "text", "text": ...}` content part."""
 
-    model_config = _STRICT
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """One message of a chat; content is a string or a list of text parts."""
 
-    model_config = _STRICT
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[Text, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
     name: Optional[Text] = None
 
@@ -84,7 +108,16 @@ class ChatMessage(BaseModel):
 ChatMessages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(RequestModel):
+    """How chat messages become a prompt (vLLM's fields, shared by chat and /tokenize)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message stays open; the model continues it
+    chat_template_kwargs: Optional[TemplateKwargs] = None  # extra variables for the chat template
+    documents: Optional[Documents] = None  # passed to the template as `documents` (RAG templates)
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: ChatMessages
@@ -92,7 +125,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[NumTokens] = None
     logprobs: bool = False
     top_logprobs: Optional[TopLogprobs] = None
-    add_generation_prompt: bool = True
+    echo: bool = False  # the reply starts with the last message's content when that message is the assistant's
+    add_special_tokens: bool = False  # the chat template already adds them
 
 
 class UsageInfo(BaseModel):
@@ -237,15 +271,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
-    model_config = _STRICT
     model: Optional[Text] = None
     prompt: Optional[Text] = None
     messages: Optional[ChatMessages] = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class TokenizeResponse(BaseModel):
@@ -256,10 +288,9 @@ class TokenizeResponse(BaseModel):
     max_model_len: int
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     """POST /detokenize."""
 
-    model_config = _STRICT
     model: Optional[Text] = None
     tokens: TokenIds
 

@@ -9,7 +9,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server import __version__, formatting, preprocess, streaming
 from server.errors import APIError, error_response
-from server.preprocess import Job, ServerContext
+from server.context import ServerContext
+from server.job import Job
 from server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse,
@@ -30,11 +31,13 @@ def _ctx(request: Request) -> ServerContext:
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
+    ctx.warn_unknown_fields("/v1/completions", body)
     return await _serve(request, ctx, preprocess.completion_job(ctx, body))
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = _ctx(request)
+    ctx.warn_unknown_fields("/v1/chat/completions", body)
     return await _serve(request, ctx, preprocess.chat_job(ctx, body))
 
 
@@ -68,11 +71,12 @@ async def version() -> VersionResponse:
 
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     ctx = _ctx(request)
+    ctx.warn_unknown_fields("/tokenize", body)
     preprocess.check_model(ctx, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError("Give exactly one of prompt and messages.", 400, "prompt")
     if body.messages is not None:
-        text = preprocess.render_chat(ctx, body.messages, body.add_generation_prompt)
+        text = preprocess.render_chat(ctx, body.messages, body)
         tokens = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         tokens = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
@@ -81,6 +85,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     ctx = _ctx(request)
+    ctx.warn_unknown_fields("/detokenize", body)
     preprocess.check_model(ctx, body.model)
     preprocess.check_token_ids(ctx, body.tokens, "tokens")
     return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))

@@ -14,7 +14,7 @@ from engine.async_engine import EngineDeadError
 from engine.sequence import RequestOutput
 from server import formatting
 from server.errors import APIError, error_body
-from server.preprocess import Job, JobKind
+from server.job import Job, JobKind
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ async def run_job(engine: Any, job: Job) -> AsyncIterator[tuple[int, RequestOutp
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(request_ids[i], prompt_token_ids=job.prompts[i], params=job.params):
+            async for out in engine.generate(request_ids[i], prompt_token_ids=job.prompts[i], params=job.params,
+                                             priority=job.priority):
                 queue.put_nowait((i, out))
         except Exception as exc:  # EngineDeadError, a ValueError from add_request
             queue.put_nowait((i, exc))

@@ -43,6 +43,28 @@ def test_server_alive_after_bad_inputs(tiny_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_unknown_fields_accepted_and_warned_once(tiny_server, caplog):
+    """vLLM's rule: a field the server does not know is ignored with one warning per field name, not a 400."""
+    body = {"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, "foo_unknown": 1,
+            "stream": True, "stream_options": {"include_usage": True, "bar_unknown": True}}
+    with caplog.at_level("WARNING", logger="server.context"):
+        for _ in range(2):
+            with httpx.stream("POST", tiny_server.base_url + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                events = sse_events(r.read().decode().splitlines())
+            assert events[-2]["usage"]["completion_tokens"] == 3
+        chat = post(tiny_server, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hi", "tool_calls": []}], "max_tokens": 2, "foo_unknown": 1})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
+    warned = [rec.getMessage() for rec in caplog.records if "unknown field" in rec.getMessage()]
+    assert sorted(warned) == sorted([
+        "/v1/completions: ignoring the unknown field 'foo_unknown' (warned once per field)",
+        "/v1/completions: ignoring the unknown field 'stream_options.bar_unknown' (warned once per field)",
+        "/v1/chat/completions: ignoring the unknown field 'foo_unknown' (warned once per field)",
+        "/v1/chat/completions: ignoring the unknown field 'messages.tool_calls' (warned once per field)",
+    ])
+
+
 def test_context_length_message_has_numbers(tiny_server):
     r = post(tiny_server, "/v1/completions", {"prompt": [5] * 200, "max_tokens": 100})
     assert r.status_code == 400

@@ -1,0 +1,47 @@
+"""Job: one API call, as preprocess builds it and streaming/formatting read it."""
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.sampling_params import SamplingParams
+
+
+class JobKind(enum.Enum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+    RESPONSE = "response"  # POST /v1/responses
+
+
+@dataclass
+class Job:
+    """One API call: its prompts (each a separate engine request) sharing one SamplingParams."""
+
+    kind: JobKind
+    id: str  # the response's id; a client's request_id may make it repeat across calls
+    created: int
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk (vLLM's continuous_usage_stats)
+    echo: bool = False
+    echo_text: str = ""  # chat echo: the last (assistant) message, which the reply continues
+    logprobs: Optional[int] = None  # completions: top-k per token; chat: top_logprobs
+    chat_logprobs: bool = False
+    prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs: top-k per prompt token, in the response
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens read "token_id:<id>"
+    priority: int = 0
+    engine_key: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def request_id(self, prompt_index: int) -> str:
+        # Unique per call even when the client reuses its request_id: the engine keys requests by this.
+        return f"{self.id}-{self.engine_key[:8]}-{prompt_index}"
+
+    def choice_index(self, prompt_index: int, choice: int) -> int:
+        # vLLM's numbering: prompt i's j-th choice is i * n + j.
+        return prompt_index * self.params.n + choice
