@@ -1,25 +1,17 @@
 """Prepacked oneDNN GEMMs for the nn.Linear layers of a model that runs on CPU.
 
-F.linear on CPU calls MKL's sgemm, which repacks the whole weight matrix on
-every call; on a decode step (a few dozen rows against a 576 x 49152 head) that
-packing costs more than the multiply, and MKL does not use AVX-512 on AMD CPUs.
-oneDNN's linear with a weight reordered once into its blocked layout skips both:
-about 3x on the LM head and 1.3-1.5x on the other layers of SmolLM2 at batch 32
-(docs/benchmarks.md). The result is the same float32 product up to summation
-order (~1e-6 relative), like any other GEMM library.
+F.linear on CPU repacks the weight matrix on every call; a weight reordered once into oneDNN's blocked
+layout skips that. The product is the same float32 GEMM up to summation order (~1e-6 relative).
+bfloat16 weights are packed where oneDNN can (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), with float32
+accumulation; elsewhere (an AVX2-only CPU) they stay on F.linear. What this buys, measured, is in
+docs/benchmarks.md ("Packed oneDNN linears").
 
-bfloat16 weights are packed too where oneDNN can (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): it then runs
-AVX-512 BF16 dot products (float32 accumulation) where the CPU has them, 1.6-1.9x F.linear on the LM
-head and the same output bits as F.linear in our checks. On an AVX2-only CPU oneDNN refuses bfloat16
-weights, and those linears stay on F.linear.
+Invariants: the packed copy replaces the original, so each weight is held once: pack_linears leaves an
+empty tensor of the same dtype in its place (in_features/out_features kept). A weight shared with another
+parameter, as a head tied to the embedding, is kept: the embedding still reads it. A packed linear serves
+CPU inputs of its own dtype only (RuntimeError otherwise), of any leading shape.
 
-The packed copy replaces the original: pack_linears releases each linear's weight (an empty tensor of the
-same dtype is left in its place, in_features/out_features are kept), so the weights are held once: the
-default SmolLM2 engine's RSS is 414 MiB lower in float32, 207 MiB in bfloat16. A weight shared with another
-parameter, as a head tied to the embedding, is kept: the embedding still reads it. A packed linear then
-serves CPU inputs of its own dtype only (RuntimeError otherwise), of any leading shape.
-
-Use (the model runner, once the weights are loaded):
+Use (the loader, once the weights are loaded):
 
     pack_linears(model)   # every CPU nn.Linear of a packed dtype now multiplies with its packed copy
 """
@@ -59,7 +51,7 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
 
 # oneDNN builds (and caches, LRU) one primitive per input shape. A server sees every row count from 1 to
 # max_num_batched_tokens, so with exact shapes the cache churns and the process grows with each new one
-# (an LLM.generate loop with recompute preemptions: +18-22 MiB per round of 24 requests). Row counts above
+# (docs/reliability.md). Row counts above
 # EXACT_ROWS are padded up to one of 8 buckets per power of two (at most 12.5 % spare rows): about 70
 # shapes per layer from 1 to 2048 rows.
 EXACT_ROWS = 16

@@ -21,6 +21,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 
 from engine.config import DEFAULT_MODEL_ID, EngineConfig
+from engine.cpu_linear import pack_linears
 from engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ def default_model_path() -> Path:
 
 
 def _drop_quantization_config(folder: Path) -> None:
-    # Conversions before 2026-11-22 kept the GGUF quantization_config in config.json although the weights are
-    # plain float32: HF then attaches its GGUF quantizer (bf16 loads take a slow cast-per-matmul path).
+    # The converted folder holds plain float32 weights: a GGUF quantization_config left in config.json (older
+    # conversions wrote one) would make HF attach its GGUF quantizer (a slow cast-per-matmul path for bf16).
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     if "quantization_config" not in config:
@@ -203,8 +204,11 @@ def _load_format(config: EngineConfig, model_path: Path) -> LoadFormat:
     return fmt
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """Build our model for config.model (None: the default SmolLM2) with its tokenizer and HF config."""
+def load_model(config: EngineConfig, pack_cpu_linears: bool = True) -> LoadedModel:
+    """Build our model for config.model (None: the default SmolLM2) with its tokenizer and HF config.
+
+    On CPU the linears are packed for oneDNN (engine/cpu_linear.py), which releases their plain weights;
+    pack_cpu_linears=False keeps the plain nn.Linear weights (to compare or save them)."""
     from transformers import AutoConfig, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -240,6 +244,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     else:
         model.load_weights(hf_folder_weights(model_path))
     model.eval()
+    if pack_cpu_linears and device.type == "cpu":
+        pack_linears(model)
     logger.info("loaded %s (%s, %s, %s) in %.1f s", model_path, fmt.value, device, dtype, time.monotonic() - start)
     return LoadedModel(model, tokenizer, hf_config, device, dtype)
 

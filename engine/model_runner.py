@@ -18,7 +18,6 @@ import torch
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache, PrefillSpan, make_prefill_bias
 from engine.config import EngineConfig
-from engine.cpu_linear import pack_linears
 from engine.prompt_logprobs import logits_positions
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -55,8 +54,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
         self.config, self.model, self.device = config, model, torch.device(device)
         self.block_size = config.block_size
-        if self.device.type == "cpu":
-            pack_linears(model)  # oneDNN GEMMs on weights packed once (engine/cpu_linear.py)
         self._threads = torch.get_num_threads()
         self._split = (self.device.type == "cpu" and self._threads > 1 and os.environ.get(_SPLIT_ENV, "1") != "0"
                        and ops.backend() is ops.OpsBackend.COMPILED_CPU)
