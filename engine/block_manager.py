@@ -168,7 +168,7 @@ class BlockSpaceManager:
         table = self.block_tables[seq.seq_id]
         size = self.block_size
         if self.sliding_window is not None:
-            self._release_outside_window(seq, table)
+            self._release_outside_window(seq, table, self.gpu)
         cow = None
         index = seq.num_computed_tokens // size
         if index < len(table) and self.gpu.ref_counts[table[index]] > 1:
@@ -180,7 +180,7 @@ class BlockSpaceManager:
             table.append(self.gpu.allocate())
         return cow
 
-    def _release_outside_window(self, seq: Sequence, table: BlockTable) -> None:
+    def _release_outside_window(self, seq: Sequence, table: BlockTable, allocator: BlockAllocator) -> None:
         # The next forward's first query is token num_computed_tokens: it, and every later one, sees only
         # tokens from num_computed_tokens - sliding_window + 1 on. Blocks wholly before that go back.
         first_seen = max(seq.num_computed_tokens - self.sliding_window + 1, 0)
@@ -189,7 +189,7 @@ class BlockSpaceManager:
         if keep_from <= released:
             return
         for i in range(released, keep_from):
-            self.gpu.free(table[i])
+            allocator.free(table[i])
             table[i] = RELEASED_BLOCK
         self._num_released[seq.seq_id] = keep_from
 
@@ -254,9 +254,16 @@ class BlockSpaceManager:
         return AllocStatus.OK
 
     def swap_in(self, group: SequenceGroup, mapping: Optional[dict[int, int]] = None) -> dict[int, int]:
-        """Bring the SWAPPED sequences' blocks back to the device; returns {cpu_block: device_block} (see swap_out)."""
-        return self._move(group.get_seqs(SequenceStatus.SWAPPED), self.cpu_block_tables, self.cpu,
-                          self.block_tables, self.gpu, mapping)
+        """Bring the SWAPPED sequences' blocks back to the device; returns {cpu_block: device_block} (see swap_out).
+
+        Under a sliding window, blocks the window has left behind are released on the host first: released
+        after the move, a device block in the step's mapping could be freed (and reused) while a later group
+        of the same step, sharing its host block, still maps to it."""
+        seqs = group.get_seqs(SequenceStatus.SWAPPED)
+        if self.sliding_window is not None:
+            for seq in seqs:
+                self._release_outside_window(seq, self.cpu_block_tables[seq.seq_id], self.cpu)
+        return self._move(seqs, self.cpu_block_tables, self.cpu, self.block_tables, self.gpu, mapping)
 
     def _move(self, seqs: list[Sequence], src_tables: dict[int, BlockTable], src: BlockAllocator,
               dst_tables: dict[int, BlockTable], dst: BlockAllocator,

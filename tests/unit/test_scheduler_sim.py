@@ -7,10 +7,14 @@ slots, then reads back every slot of every running sequence and checks it. The
 next token is a function of what was read, so a wrong block table, a missed
 copy-on-write, a bad swap or a stale prefix-cache hit changes the output. The
 outputs must not depend on cache size, preemption mode or prefix caching.
+Under a sliding window a forward reads only the slots its queries see, and the
+block manager releases the blocks before them: a block released too early, or
+reused while still seen, reads back a wrong fingerprint.
 """
 from collections import Counter
 from typing import NamedTuple, Optional
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,10 +57,11 @@ class FingerprintCache:
         for src, dst in out.blocks_to_copy:
             self.gpu[dst] = list(self.gpu[src])
 
-    def forward(self, out: SchedulerOutput) -> dict[int, int]:
+    def forward(self, out: SchedulerOutput, sliding_window: Optional[int] = None) -> dict[int, int]:
         """Write the computed slots of every running sequence, then read all its slots: seq_id -> last slot read.
 
-        A prompt chunk (do_sample False) writes and reads only up to the chunk's end."""
+        A prompt chunk (do_sample False) writes and reads only up to the chunk's end; under a sliding window the
+        reads start where the step's first query's window does."""
         running = [(seq, sg.span_end(seq))
                    for sg in out.scheduled for seq in sg.group.get_seqs(SequenceStatus.RUNNING)]
         for seq, end in running:
@@ -67,8 +72,9 @@ class FingerprintCache:
         last_read = {}
         for seq, end in running:
             table, tokens = out.block_tables[seq.seq_id], seq.all_token_ids
-            read = [self.gpu[table[pos // BS]][pos % BS] for pos in range(end)]
-            assert read == [fingerprint(tokens[:pos + 1]) for pos in range(end)], f"{seq} read wrong K/V"
+            first = 0 if sliding_window is None else max(0, seq.num_computed_tokens - sliding_window + 1)
+            read = [self.gpu[table[pos // BS]][pos % BS] for pos in range(first, end)]
+            assert read == [fingerprint(tokens[:pos + 1]) for pos in range(first, end)], f"{seq} read wrong K/V"
             last_read[seq.seq_id] = read[-1]
         return last_read
 
@@ -76,19 +82,19 @@ class FingerprintCache:
 def check_ref_counts(sched: Scheduler) -> None:
     bm = sched.block_manager
     for tables, alloc in ((bm.block_tables, bm.gpu), (bm.cpu_block_tables, bm.cpu)):
-        uses = Counter(b for table in tables.values() for b in table)
+        uses = Counter(b for seq_id, table in tables.items() for b in table[bm.num_released(seq_id):])
         assert all(alloc.ref_count(b) == uses[b] for b in range(alloc.num_blocks))
         assert alloc.num_free() == alloc.num_blocks - len(uses)
 
 
 def simulate(requests: list[Request], num_device_blocks: int, num_cpu_blocks: int = 64, abort_at: Optional[dict] = None,
-             **overrides) -> tuple[dict[str, object], Counter]:
+             sliding_window: Optional[int] = None, **overrides) -> tuple[dict[str, object], Counter]:
     """Run to completion; returns request_id -> sorted output token tuples (or the error), and event counts."""
     fields = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8, watermark=0.0)
     fields.update(overrides)
     config = EngineConfig(**fields)
     config.resolve(64)
-    sched = Scheduler(config, num_device_blocks, num_cpu_blocks)
+    sched = Scheduler(config, num_device_blocks, num_cpu_blocks, sliding_window=sliding_window)
     cache = FingerprintCache(num_device_blocks, num_cpu_blocks)
     seq_ids = iter(range(10**6))
     groups = []
@@ -116,7 +122,8 @@ def simulate(requests: list[Request], num_device_blocks: int, num_cpu_blocks: in
         else:
             assert out.num_batched_tokens <= config.max_num_batched_tokens
         cache.apply(out)
-        last_read = cache.forward(out)
+        events["peak_blocks"] = max(events["peak_blocks"], num_device_blocks - sched.block_manager.get_num_free_device_blocks())
+        last_read = cache.forward(out, sliding_window)
         sched.update_computed(out)
         for scheduled in out.scheduled:
             if scheduled.do_sample:
@@ -254,3 +261,33 @@ def test_chunked_prefill_keeps_the_outputs():
                     assert events["mixed"] > 0 and events["chunks"] > 0
                     # Over the budget only to recompute a group of several sequences in one step.
                     assert events["over_budget"] == 0 or events["recompute"] > 0
+
+
+@pytest.mark.parametrize("window", [3, 8, 13])
+def test_sliding_window_releases_blocks_and_keeps_the_outputs(window):
+    """Blocks behind the window go back to the pool, yet every slot a query sees reads back right: under
+    preemption of both kinds, prefix caching, chunked prefill and forks (best_of)."""
+    reference, plain = simulate(WORKLOAD, num_device_blocks=200)
+    results, windowed = simulate(WORKLOAD, num_device_blocks=200, sliding_window=window)
+    assert results == reference
+    assert windowed["peak_blocks"] < plain["peak_blocks"]
+    for mode in (None, "recompute", "swap"):
+        for caching in (False, True):
+            for chunked in ({}, dict(enable_chunked_prefill=True, max_num_batched_tokens=16)):
+                results, _ = simulate(WORKLOAD, num_device_blocks=12, preemption_mode=mode, enable_prefix_caching=caching,
+                                      sliding_window=window, **chunked)
+                assert results == reference, (mode, caching, chunked)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=requests_strategy, num_device_blocks=st.integers(4, 16), num_cpu_blocks=st.integers(0, 24),
+       mode=st.sampled_from([None, "recompute", "swap"]), caching=st.booleans(), window=st.integers(1, 20),
+       chunk=st.sampled_from([None, 8, 16]))
+def test_random_workloads_under_a_sliding_window(requests, num_device_blocks, num_cpu_blocks, mode, caching, window,
+                                                 chunk):
+    reference, _ = simulate(requests, num_device_blocks=400)
+    chunked = {} if chunk is None else dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
+    results, _ = simulate(requests, num_device_blocks, num_cpu_blocks, preemption_mode=mode,
+                          enable_prefix_caching=caching, sliding_window=window, **chunked)
+    for request_id, result in results.items():
+        assert result == reference[request_id] or (isinstance(result, str) and "--" in result), result
