@@ -8,8 +8,10 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
 
+from engine.faults import StepError
 from engine.memory import find_malloc_trim
 from engine.metrics import Metrics, StatLogger
 from engine.sampling_params import SamplingParams
@@ -20,10 +22,33 @@ logger = logging.getLogger(__name__)
 # glibc keeps the pages of freed tensors of ever-new sizes in its arenas (~70 MiB after minutes of serving);
 # malloc_trim hands them back. A few ms in the step thread, between steps, every this many seconds.
 TRIM_INTERVAL_S = 10.0
+# A fault in two steps in a row resets the engine; more than MAX_RESETS resets within RESET_WINDOW_S means the
+# fault outlives a reset (the model, the device): the engine stops and /health stays 503 for the supervisor.
+MAX_RESETS = 3
+RESET_WINDOW_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped (a step raised, or shutdown); no request can be served."""
+    """The engine loop stopped (resets did not help, or shutdown); no request can be served."""
+
+
+class EngineResetError(EngineDeadError):
+    """The request was in flight when the engine reset after a fault (a 503: retry it)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step running this request raised (a 500); the engine goes on serving the others."""
+
+
+@dataclass
+class _Fault:
+    """A step that raised, as the step thread hands it to the loop."""
+
+    error: StepError
+    problems: list[str]  # broken block invariants
+    reset: bool
+    dropped: list[str]  # requests in flight that the reset ended
+    known: set[str]  # the requests the engine still holds after the fault
 
 
 class _Op(enum.Enum):
@@ -60,8 +85,6 @@ class AsyncLLMEngine:
         self.engine = engine  # only the loop task (and its executor thread) touches it
         self.metrics = Metrics(engine.config.model_name)
         self.stat_logger = StatLogger(stats_interval_s) if log_stats else None
-        # Test hook (reliability suite): called in the step thread before each step; raising kills the engine.
-        self.fault_injector: Optional[Callable[[], None]] = None
         self._stats = engine.get_stats()
         self.metrics.set_cache_config(self._stats)
         self._streams: dict[str, _RequestStream] = {}
@@ -72,6 +95,10 @@ class AsyncLLMEngine:
             max_workers=1, thread_name_prefix="engine-step", initializer=_lower_priority, initargs=(step_thread_nice,)
         )
         self._dead: Optional[BaseException] = None
+        self._resetting = False
+        self._fault_streak = 0  # steps that raised since the last one that did not (idle time between them too)
+        self._reset_times: list[float] = []
+        self._adding: set[str] = set()  # requests queued to the loop, not yet in the engine
         self._accepting = True
         self._cut_handle: Optional[asyncio.TimerHandle] = None  # ends what is left at the shutdown deadline
         self._malloc_trim = find_malloc_trim()
@@ -113,7 +140,7 @@ class AsyncLLMEngine:
     @property
     def is_ready(self) -> bool:
         """True when a new request would be served (for /health)."""
-        return self._dead is None and self._accepting
+        return self._dead is None and self._accepting and not self._resetting
 
     @property
     def unavailable_reason(self) -> str:
@@ -122,6 +149,8 @@ class AsyncLLMEngine:
             return f"The engine has died: {self._dead!r}."
         if not self._accepting:
             return "The server is shutting down."
+        if self._resetting:
+            return "The engine is resetting after a fault; retry shortly."
         return "The engine is not ready."
 
     def get_stats(self) -> Any:
@@ -235,6 +264,7 @@ class AsyncLLMEngine:
         self.start()
         stream = _RequestStream(request_id)
         self._streams[request_id] = stream
+        self._adding.add(request_id)
         self._queue.put_nowait((_Op.ADD, request_id, (prompt, prompt_token_ids, params, priority)))
         return stream
 
@@ -274,24 +304,76 @@ class AsyncLLMEngine:
                     self._apply(self._queue.get_nowait())
                 if not self.engine.has_unfinished_requests():
                     continue
-                outputs, self._stats = await loop.run_in_executor(self._executor, self._step)
+                outputs, self._stats, fault = await loop.run_in_executor(self._executor, self._step)
                 self._dispatch(outputs)
+                if fault is not None:
+                    self._fail_requests(fault)
                 if self.stat_logger is not None:
                     self.stat_logger.maybe_log(self._stats)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # a step raised: the engine state is unknown, stop serving
-            logger.exception("engine step failed; the engine is dead")
+        except BaseException as exc:  # outside a step, or resets did not help: stop serving
+            logger.exception("the engine loop failed; the engine is dead")
             self._dead = exc
             self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
 
-    def _step(self) -> tuple[list[RequestOutput], Any]:
-        """Runs in the executor thread: the only place the engine computes."""
-        if self.fault_injector is not None:
-            self.fault_injector()
-        outputs = self.engine.step()
+    def _step(self) -> tuple[list[RequestOutput], Any, Optional[_Fault]]:
+        """Runs in the executor thread: the only place the engine computes. A step that raised has ended its
+        requests; when the block invariants no longer hold or the previous step raised too, reset the engine."""
+        try:
+            outputs = self.engine.step()
+        except StepError as err:
+            self._fault_streak += 1
+            problems = self.engine.block_problems()
+            reset = bool(problems) or self._fault_streak > 1
+            dropped = self._reset() if reset else []
+            return err.outputs, self.engine.get_stats(), _Fault(err, problems, reset, dropped,
+                                                                     self.engine.request_ids())
+        self._fault_streak = 0
         self._maybe_trim()
-        return outputs, self.engine.get_stats()
+        return outputs, self.engine.get_stats(), None
+
+    def _reset(self) -> list[str]:
+        now = time.monotonic()
+        self._reset_times = [t for t in self._reset_times if now - t < RESET_WINDOW_S] + [now]
+        if len(self._reset_times) > MAX_RESETS:
+            raise EngineDeadError(f"{len(self._reset_times)} engine resets within {RESET_WINDOW_S:g} s did not "
+                                  "clear the fault")
+        self._resetting = True  # /health answers 503 until the new cache is there
+        try:
+            dropped = self.engine.reset()
+        finally:
+            self._resetting = False
+        self._fault_streak = 0
+        return dropped
+
+    def _fail_requests(self, fault: _Fault) -> None:
+        """On the loop: the failed step's readers get a 500, a reset's in-flight readers a 503; counted, logged."""
+        err = fault.error
+        logger.error("engine step failed in %s: %s: %s; ending request(s) %s", err.stage, type(err.cause).__name__,
+                     err.cause, ", ".join(err.request_ids) or "(none)", exc_info=err.cause)
+        failed = RequestFailedError(err.client_message())
+        self._end_streams(err.request_ids, failed, "step_fault")
+        if fault.problems:
+            logger.error("block manager invariants broken after the fault: %s", "; ".join(fault.problems))
+        if fault.reset:
+            self.metrics.engine_resets.labels(self.metrics.model_name).inc()
+            logger.error("engine reset (scheduler, block manager and KV cache rebuilt); ending in-flight "
+                         "request(s) %s", ", ".join(fault.dropped) or "(none)")
+            self._end_streams(fault.dropped, EngineResetError(
+                "The engine was reset after a fault while this request was in flight; retry it."), "engine_reset")
+        # A fault inside the scheduler may drop a request from every queue: its reader must not wait forever.
+        lost = [rid for rid in self._streams if rid not in fault.known and rid not in self._adding]
+        if lost:
+            logger.error("request(s) %s left the engine's queues in the fault; ending them", ", ".join(lost))
+            self._end_streams(lost, failed, "step_fault")
+
+    def _end_streams(self, request_ids: list[str], exc: BaseException, reason: str) -> None:
+        for rid in request_ids:
+            self.metrics.request_failures.labels(self.metrics.model_name, reason).inc()
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.finish(exc)
 
     def _maybe_trim(self) -> None:
         """In the step thread: give freed heap pages back to the OS at most every TRIM_INTERVAL_S."""
@@ -309,6 +391,7 @@ class AsyncLLMEngine:
         if kind is _Op.ABORT:
             self.engine.abort_request(request_id)
         elif kind is _Op.ADD:
+            self._adding.discard(request_id)
             stream = self._streams.get(request_id)
             if stream is None:  # aborted before it reached the engine
                 return
@@ -338,6 +421,7 @@ class AsyncLLMEngine:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.finish(exc)
+        self._adding.clear()
         if self._queue is not None:
             while not self._queue.empty():
                 self._queue.get_nowait()

@@ -13,6 +13,7 @@ import torch
 from engine import ops
 from engine.cache_engine import CacheEngine, determine_num_blocks
 from engine.config import EngineConfig
+from engine.faults import STAGES, FaultInjector, StepError, block_problems
 from engine.loader import load_model, model_max_len
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -64,14 +65,13 @@ class LLMEngine:
         self.cache_engine = CacheEngine(
             config.block_size, self.hf_config, num_device_blocks, num_cpu_blocks, self.device, self.dtype
         )
-        # The model's window (every layer's) lets the block manager release blocks the attention no longer reads.
-        self.scheduler = Scheduler(config, num_device_blocks, num_cpu_blocks, sliding_window=self.model.kv_window)
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.sampler = Sampler(eos_token_id=self.eos_token_id)
         self.seq_counter = itertools.count()
-        self.output_processor = OutputProcessor(self.tokenizer, config.max_model_len, self.eos_token_id,
-                                                self.seq_counter)
+        self._build_scheduling(num_device_blocks, num_cpu_blocks)
+        self.fault_injector: Optional[FaultInjector] = None  # tests: called at the start of each stage (faults.py)
+        self._stage = STAGES[0]
+        self._step_groups: Optional[list[SequenceGroup]] = None
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._preempted_recompute = 0
@@ -80,6 +80,14 @@ class LLMEngine:
         # full collection walking it takes ~0.2 s with the GIL held. Freezing it keeps them cheap.
         gc.collect()
         gc.freeze()
+
+    def _build_scheduling(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
+        """The per-request state: queues and block tables, sampler generators, detokenizer."""
+        # The model's window (every layer's) lets the block manager release blocks the attention no longer reads.
+        self.scheduler = Scheduler(self.config, num_device_blocks, num_cpu_blocks, sliding_window=self.model.kv_window)
+        self.sampler = Sampler(eos_token_id=self.eos_token_id)
+        self.output_processor = OutputProcessor(self.tokenizer, self.config.max_model_len, self.eos_token_id,
+                                                self.seq_counter)
 
     # -- requests -------------------------------------------------------------
 
@@ -127,35 +135,111 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward over the batch, sample, and report every touched request."""
+        """Schedule, run one forward over the batch, sample, and report every touched request.
+
+        A stage that raises ends the requests of this step (a per-request stage: only that request), frees
+        their blocks and raises StepError naming them; waiting and swapped requests go on in the next step.
+        """
+        self._stage, self._step_groups = STAGES[0], None
+        outputs: list[RequestOutput] = []
+        try:
+            return self._step(outputs)
+        except StepError:
+            raise
+        except Exception as exc:
+            # Before schedule() returned no request belonged to the step: none is ended (the caller checks the
+            # block invariants, and resets when they fail or the fault recurs).
+            raise StepError(self._stage, exc, self._end(self._step_groups or []), outputs) from exc
+
+    def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        sch = self.scheduler
+        self._at("schedule", itertools.chain(sch.waiting, sch.running, sch.swapped))
         out = self.scheduler.schedule()
         self._preempted_recompute += out.num_preempted_recompute
         self._preempted_swap += out.num_preempted_swap
         now = time.monotonic()
-        outputs = []
         for group in out.ignored:
             group.metrics.finished_time = now
             outputs.append(self.output_processor.to_request_output(group))
+        scheduled = [sg.group for sg in out.scheduled]
+        # Until the swaps are done, a group swapped out in this step has no whole copy of its K/V anywhere.
+        self._step_groups = scheduled + self._swapping_out(out)
+        self._at("cache_ops", scheduled)
         self.cache_engine.apply(out)
+        self._step_groups = scheduled
         if not out.scheduled:
             return outputs
 
         # A prompt chunk short of the prompt's end (chunked prefill) samples nothing and reports nothing yet.
         rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled if sg.do_sample]
         self._prompt_tokens_total += sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
-        logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.device_cache)
+        logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.device_cache,
+                                                          at=lambda stage: self._at(stage, scheduled))
         add_prompt_logprobs(out, prompt_logits)
         self.scheduler.update_computed(out)
+        self._at("sampler", scheduled)
         samples = self.sampler(logits, rows)
         self._generation_tokens_total += sum(len(seqs) for _, seqs in rows)
 
+        failed: list[tuple[SequenceGroup, str, Exception]] = []
         for (group, _), group_samples in zip(rows, samples):
-            self.scheduler.apply(self.output_processor.process(group, group_samples))
+            try:
+                self._at("output_processor", [group])
+                self.scheduler.apply(self.output_processor.process(group, group_samples,
+                                                                   at=lambda stage: self._at(stage, [group])))
+            except Exception as exc:  # this request's tokens or text: the others of the step go on
+                failed.append((group, self._stage, exc))
+                continue
             if group.is_finished():
                 group.metrics.finished_time = time.monotonic()
             outputs.append(self.output_processor.to_request_output(group))
         self.scheduler.free_finished_seq_groups()
+        if failed:
+            _, stage, exc = failed[0]
+            raise StepError(stage, exc, self._end([g for g, _, _ in failed]), outputs) from exc
         return outputs
+
+    def _at(self, stage: str, groups: Iterable[SequenceGroup]) -> None:
+        self._stage = stage
+        if self.fault_injector is not None:
+            self.fault_injector(stage, [g.request_id for g in groups])
+
+    def _swapping_out(self, out) -> list[SequenceGroup]:
+        if not out.blocks_to_swap_out:
+            return []
+        targets = set(out.blocks_to_swap_out.values())
+        tables = self.scheduler.block_manager.cpu_block_tables
+        return [g for g in self.scheduler.swapped
+                if any(b in targets for seq in g.seqs for b in tables.get(seq.seq_id, ()))]
+
+    def _end(self, groups: list[SequenceGroup]) -> list[str]:
+        """End the groups of a failed step wherever they are; every block they hold goes back."""
+        ids = list(dict.fromkeys(g.request_id for g in groups))
+        self.scheduler.abort_seq_group(ids)
+        for group in groups:  # one already out of the queues (finished in this step) may still hold blocks
+            for seq in group.seqs:
+                self.scheduler.block_manager.free(seq)
+        return ids
+
+    def request_ids(self) -> set[str]:
+        """The requests the engine holds, in any queue."""
+        sch = self.scheduler
+        return {g.request_id for g in itertools.chain(sch.waiting, sch.running, sch.swapped)}
+
+    def block_problems(self) -> list[str]:
+        """Broken block-manager invariants (empty: all hold); checked after a failed step."""
+        return block_problems(self.scheduler)
+
+    def reset(self) -> list[str]:
+        """Drop every request and build the scheduler, block manager, KV cache and output processor anew
+        (the model and tokenizer stay); returns the ids of the requests dropped."""
+        dropped = sorted(self.request_ids())
+        num_device_blocks, num_cpu_blocks = self.cache_engine.num_device_blocks, self.cache_engine.num_cpu_blocks
+        self.cache_engine = None  # the old cache's memory goes back before the new one is allocated
+        self.cache_engine = CacheEngine(self.config.block_size, self.hf_config, num_device_blocks, num_cpu_blocks,
+                                        self.device, self.dtype)
+        self._build_scheduling(num_device_blocks, num_cpu_blocks)
+        return dropped
 
     def get_stats(self) -> EngineStats:
         bm = self.scheduler.block_manager

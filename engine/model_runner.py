@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -28,6 +28,10 @@ SPLIT_MIN_ROWS = 8
 # At most this many shards: each one reads every weight, and only 2 cores were there to measure the trade.
 SPLIT_MAX_SHARDS = 2
 _SPLIT_ENV = "PAGEDSERVE_SPLIT_DECODE"  # 0: one forward per step, as on CUDA (A/B comparisons)
+
+
+def _no_fault(stage: str) -> None:
+    pass
 
 
 class _Row(NamedTuple):
@@ -60,11 +64,15 @@ class ModelRunner:
         self._shard_pool: Optional[ThreadPoolExecutor] = None  # started on the first split step
 
     @torch.inference_mode()
-    def execute(self, out, kv_caches: list[KVCache]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None] = _no_fault,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Forward the tokens [num_computed_tokens, get_len()) of every RUNNING sequence of out.scheduled.
 
-        A prompt chunk (ScheduledGroup.do_sample False) computes only its num_tokens and gets no logits row."""
+        A prompt chunk (ScheduledGroup.do_sample False) computes only its num_tokens and gets no logits row.
+        `at(stage)` is called as each stage starts ("prepare_inputs", "forward"; engine/faults.py)."""
+        at("prepare_inputs")
         inp = self.prepare(out)
+        at("forward")
         if inp is None:
             return torch.empty(0, 0, dtype=torch.float32, device=self.device), {}
         shards = self._num_shards(inp)

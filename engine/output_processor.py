@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from engine.detokenizer import Detokenizer
 from engine.sampler import Sample
@@ -15,6 +15,10 @@ from engine.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+
+
+def _no_fault(stage: str) -> None:
+    pass
 
 
 def beam_score(seq: Sequence, length_penalty: float) -> float:
@@ -50,9 +54,11 @@ class OutputProcessor:
 
     # ---- one step ----------------------------------------------------------
 
-    def process(self, group: SequenceGroup, samples: list[Sample]) -> BlockActions:
+    def process(self, group: SequenceGroup, samples: list[Sample],
+                at: Callable[[str], None] = _no_fault) -> BlockActions:
         """Append the samples (forking where a sequence got several), check stops; the group's statuses and
-        members change here, its blocks only when the engine applies the returned actions."""
+        members change here, its blocks only when the engine applies the returned actions. `at("detokenizer")`
+        is called as detokenization starts (engine/faults.py)."""
         actions = BlockActions()
         if group.metrics.first_token_time is None and samples:
             group.metrics.first_token_time = time.monotonic()
@@ -80,6 +86,7 @@ class OutputProcessor:
             parent.append_token(mine[-1].token_id, mine[-1].logprobs)
             children.append((parent, parent))
 
+        at("detokenizer")
         for seq, _ in children:
             new_text = self.detokenizer.decode_next(seq, params.skip_special_tokens)
             self._check_stop(seq, params, len(new_text))

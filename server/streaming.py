@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
-from engine.async_engine import EngineDeadError
+from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.sequence import RequestOutput
 from server import formatting
 from server.errors import APIError, error_body
@@ -61,6 +61,8 @@ def engine_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), 503)
+    if isinstance(exc, RequestFailedError):  # its message names the stage and the exception's class
+        return APIError(str(exc), 500)
     if isinstance(exc, ValueError):
         return APIError.from_value_error(exc)
     return APIError(f"{type(exc).__name__}: {exc}", 500)

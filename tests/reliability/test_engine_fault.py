@@ -1,66 +1,180 @@
-"""A step that raises: every in-flight request ends with a clear error, /health says 503, nothing hangs."""
+"""Steps that raise: a fault ends its step's requests (500); a fault that recurs, or one that breaks the block
+invariants, resets the engine in-process (in-flight requests 503, /health back to 200, the server serving);
+a fault that outlives MAX_RESETS resets stops the engine (/health 503, for the supervisor to restart it)."""
 from __future__ import annotations
 
 import asyncio
 import threading
 
 import httpx
+import pytest
 
-from reliability_harness import serve, stream_completion
+from engine.async_engine import MAX_RESETS
+from engine.sampling_params import SamplingParams
+from reliability_harness import leaked_blocks, metric, serve, stream_completion, wait_engine_idle
 
-LONG = {"model": "tiny", "max_tokens": 100, "ignore_eos": True, "temperature": 0.8}
+LONG = {"model": "tiny", "max_tokens": 60, "ignore_eos": True, "temperature": 0.8}
+SHORT = {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+NO_LEAK = {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
 
 
-async def _in_flight_then_fault(base: str, engine, armed: threading.Event) -> tuple[list, list, list]:
+@pytest.fixture
+def server(tiny_llama_dir):
+    with serve(tiny_llama_dir, max_model_len=128, max_num_seqs=4, num_gpu_blocks_override=64) as s:
+        yield s
+
+
+def _counters(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return {"resets": metric(text, "pagedserve:engine_resets_total"),
+            "step_fault": metric(text, "pagedserve:request_failures_total", 'reason="step_fault"'),
+            "engine_reset": metric(text, "pagedserve:request_failures_total", 'reason="engine_reset"')}
+
+
+async def _traffic_then_fault(base: str, engine, armed: threading.Event) -> list:
     """Streams, non-streamed requests and chats (some queued behind max_num_seqs), then the fault."""
     async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as client:
         url, chat = base + "/v1/completions", base + "/v1/chat/completions"
-        streams = [asyncio.create_task(stream_completion(client, url, {**LONG, "prompt": [1000 + i] * 8, "seed": i}))
-                   for i in range(4)]
-        chat_streams = [asyncio.create_task(stream_completion(
+        tasks = [asyncio.create_task(stream_completion(client, url, {**LONG, "prompt": [1000 + i] * 8, "seed": i}))
+                 for i in range(3)]
+        tasks += [asyncio.create_task(stream_completion(
             client, chat, {**LONG, "messages": [{"role": "user", "content": f"Hi {i}"}], "n": 2, "seed": i}))
             for i in range(2)]
-        posts = [asyncio.create_task(client.post(url, json={**LONG, "prompt": [2000 + i] * 8, "seed": i}))
-                 for i in range(4)]
+        tasks += [asyncio.create_task(client.post(url, json={**LONG, "prompt": [2000 + i] * 8, "seed": i}))
+                  for i in range(3)]
         # Fault only once the engine holds running and queued requests, so both kinds see it.
         while len(engine.engine.scheduler.running) < 2 or not engine.engine.scheduler.waiting:
             await asyncio.sleep(0.01)
         armed.set()
-        # A bounded wait: a request the dead engine forgot would hang here, and fail the test.
-        done = await asyncio.wait_for(asyncio.gather(*streams, *chat_streams, *posts), timeout=60)
-    return done[:4], done[4:6], done[6:]
+        # A bounded wait: a request the engine forgot would hang here, and fail the test.
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
 
 
-def test_step_fault_fails_in_flight_requests_and_health(tiny_llama_dir):
-    with serve(tiny_llama_dir, max_model_len=256, max_num_seqs=4) as server:
-        engine = server.engine
-        armed = threading.Event()
+def _errors(results: list) -> list[dict]:
+    """(status the client saw, error object) per request: a body for a plain POST, the error event of a stream."""
+    out = []
+    for res in results:
+        if isinstance(res, httpx.Response):
+            out.append({"status": res.status_code, "error": res.json().get("error"), "streamed": False})
+        else:
+            assert res["status"] == 200 and res["done"], res  # the 200 went out before the fault; then [DONE]
+            out.append({"status": 200, "error": res["error"], "streamed": True})
+    return out
 
-        def fault() -> None:  # runs in the step thread, before each step
-            if armed.is_set():
-                raise RuntimeError("injected step fault")
 
-        engine.fault_injector = fault
-        streams, chats, posts = asyncio.run(_in_flight_then_fault(server.base_url, engine, armed))
-        health = httpx.get(server.base_url + "/health", timeout=10)
-        new_post = httpx.post(server.base_url + "/v1/completions", json={**LONG, "prompt": "Hi"}, timeout=10)
-        new_stream = httpx.post(server.base_url + "/v1/completions", json={**LONG, "prompt": "Hi", "stream": True},
-                                timeout=10)
-        new_chat = httpx.post(server.base_url + "/v1/chat/completions", timeout=10,
-                              json={**LONG, "messages": [{"role": "user", "content": "Hi"}]})
-        metrics = httpx.get(server.base_url + "/metrics", timeout=10)
-        models = httpx.get(server.base_url + "/v1/models", timeout=10)
+def _assert_serving(server) -> None:
+    base = server.base_url
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    for path, body in (("/v1/completions", SHORT), ("/v1/completions", {**SHORT, "stream": True}),
+                       ("/v1/chat/completions", {**SHORT, "messages": [{"role": "user", "content": "Hi"}]})):
+        body = {k: v for k, v in body.items() if not (path.endswith("chat/completions") and k == "prompt")}
+        r = httpx.post(base + path, json=body, timeout=60)
+        assert r.status_code == 200 and '"error"' not in r.text, r.text
+    wait_engine_idle(server)
+    assert leaked_blocks(server) == NO_LEAK
 
-    for res in streams + chats:  # the 200 went out before the fault: the error is the last event, then [DONE]
-        assert res["status"] == 200 and res["done"], res
-        assert res["error"]["code"] == 503 and "injected step fault" in res["error"]["message"], res["error"]
-        assert res["error"]["type"] == "ServiceUnavailableError"
-    for r in posts:  # not yet answered: a 503 with the OpenAI error body
-        assert r.status_code == 503, r.text
-        err = r.json()["error"]
-        assert err["code"] == 503 and "injected step fault" in err["message"], err
-    assert health.status_code == 503 and health.json()["error"]["code"] == 503  # the documented error body
-    for r in (new_post, new_stream, new_chat):
-        assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
-    assert metrics.status_code == 200 and models.status_code == 200  # the process still answers what it can
-    assert not engine.is_ready and engine.errored
+
+def test_recurring_fault_resets_the_engine_and_serving_goes_on(server):
+    """A forward that raises in two steps in a row: the first step's requests get a 500, then the engine resets
+    and what was still in flight gets a 503 (retry); afterwards every kind of request is served."""
+    engine = server.engine
+    armed, fired = threading.Event(), []
+
+    def fault(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward" and armed.is_set() and len(fired) < 2:
+            fired.append(request_ids)
+            raise RuntimeError("injected forward fault")
+
+    engine.engine.fault_injector = fault
+    results = _errors(asyncio.run(_traffic_then_fault(server.base_url, engine, armed)))
+    counters = _counters(server.base_url)
+
+    assert len(fired) == 2
+    statuses = [(r["error"] or {}).get("code", 200) for r in results]
+    assert 500 in statuses and 503 in statuses, results
+    for r in results:
+        err = r["error"]
+        if err is None:
+            continue  # queued behind the reset: served by the new engine
+        if err["code"] == 500:
+            assert "(forward): RuntimeError: injected forward fault" in err["message"], err
+            assert err["type"] == "InternalServerError"
+        else:
+            assert err["code"] == 503 and err["type"] == "ServiceUnavailableError", err
+            assert "reset" in err["message"] and "retry" in err["message"], err
+        if not r["streamed"]:
+            assert r["status"] == err["code"]
+    assert counters["resets"] == 1
+    assert counters["step_fault"] == len(fired[0]) + len(fired[1])  # both faulted steps' requests: a 500 each
+    assert counters["engine_reset"] >= 1
+    assert server.engine.is_ready and not server.engine.errored
+    _assert_serving(server)
+
+
+def test_broken_block_invariants_reset_at_the_first_fault(server):
+    """A fault that leaves a block referenced by nobody (as a half-done allocation would): reset at once."""
+    engine = server.engine
+    armed = threading.Event()
+
+    def fault(stage: str, request_ids: list[str]) -> None:
+        if stage == "sampler" and armed.is_set():
+            armed.clear()
+            engine.engine.scheduler.block_manager.gpu.allocate()  # a block no table holds
+            raise RuntimeError("injected fault after a leak")
+
+    engine.engine.fault_injector = fault
+    results = _errors(asyncio.run(_traffic_then_fault(server.base_url, engine, armed)))
+    counters = _counters(server.base_url)
+    assert counters["resets"] == 1, counters
+    assert {(r["error"] or {}).get("code") for r in results} >= {500, 503}, results
+    _assert_serving(server)  # the leaked block went with the old block manager
+
+
+def test_engine_sampler_overflow_fails_only_its_request(server):
+    """Issue #17's seed overflow, reaching the engine past the HTTP validation (the Python API): the sampler
+    raises in the poisoned request's step; that step's requests end with a 500, the engine serves on."""
+    engine = server.engine
+    poisoned = SamplingParams(max_tokens=4, temperature=0.8, seed=2**64)
+
+    async def run_poisoned() -> BaseException:
+        try:
+            async for _ in engine.generate("poisoned", prompt_token_ids=[5, 6, 7], params=poisoned):
+                pass
+        except Exception as exc:
+            return exc
+        raise AssertionError("the poisoned request finished")
+
+    exc = asyncio.run_coroutine_threadsafe(run_poisoned(), engine._loop).result(timeout=60)
+    assert type(exc).__name__ == "RequestFailedError" and "(sampler)" in str(exc) and "Overflow" in str(exc), exc
+    assert _counters(server.base_url)["resets"] == 0
+    _assert_serving(server)
+
+
+def test_fault_that_outlives_the_resets_stops_the_engine(server):
+    """Every forward raises: after MAX_RESETS resets within the window the engine stops; /health is 503 for
+    the supervisor (docs/reliability.md), new requests get a 503, /metrics still answers."""
+    engine = server.engine
+
+    def fault(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward":
+            raise RuntimeError("injected permanent fault")
+
+    engine.engine.fault_injector = fault
+    base = server.base_url
+    for _ in range(4 * (MAX_RESETS + 1)):
+        if not engine.is_ready:
+            break
+        asyncio.run(_burst(base))
+    assert engine.errored and not engine.is_ready
+    health = httpx.get(base + "/health", timeout=10)
+    assert health.status_code == 503 and "resets" in health.json()["error"]["message"], health.text
+    r = httpx.post(base + "/v1/completions", json=SHORT, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    assert _counters(base)["resets"] == MAX_RESETS
+    assert httpx.get(base + "/v1/models", timeout=10).status_code == 200
+
+
+async def _burst(base: str) -> None:
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(*[client.post(base + "/v1/completions", json={**SHORT, "prompt": [100 + i] * 4})
+                               for i in range(3)])

@@ -146,20 +146,23 @@ def test_body_limit_413(tiny_server):
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
-def test_fault_in_step_kills_engine_503(make_tiny_engine):
+def test_fault_in_step_is_a_500_for_its_request_only(make_tiny_engine):
     from server.app import create_app
 
     engine = make_tiny_engine()
     with ServerThread(create_app(engine)) as s:
         assert httpx.get(s.base_url + "/health").status_code == 200
 
-        def boom():
-            raise RuntimeError("injected fault")
+        def boom(stage, request_ids):
+            if stage == "sampler":
+                raise RuntimeError("injected fault")
 
-        engine.fault_injector = boom
+        engine.engine.fault_injector = boom
         r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=10)
-        assert r.status_code == 503 and "injected fault" in r.json()["error"]["message"]
-        assert httpx.get(s.base_url + "/health").status_code == 503
+        assert r.status_code == 500 and "(sampler): RuntimeError: injected fault" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "InternalServerError"
+        assert httpx.get(s.base_url + "/health").status_code == 200
+        engine.engine.fault_injector = None
         r = httpx.post(s.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True},
                        timeout=10)
-        assert r.status_code == 503
+        assert r.status_code == 200 and '"error"' not in r.text

@@ -114,21 +114,25 @@ def test_bad_input_matrix_real_engine(real_server):
     assert r.status_code == 200
 
 
-def test_step_fault_ends_requests_and_503(tiny_batch_server):
-    """Runs last on its server: the engine dies for good."""
-    base, engine = tiny_batch_server.base_url, tiny_batch_server.engine
+def test_step_fault_ends_its_stream_with_a_500_and_serving_goes_on(tiny_batch_server):
+    """A step that raises mid-stream: that stream ends with a 500 error event naming the stage, the engine serves on."""
+    base, engine = tiny_batch_server.base_url, tiny_batch_server.engine.engine
     calls = {"n": 0}
 
-    def fault():
-        calls["n"] += 1
-        if calls["n"] > 3:  # let the stream start first
-            raise RuntimeError("injected step fault")
+    def fault(stage, request_ids):
+        if stage == "forward":
+            calls["n"] += 1
+            if calls["n"] == 4:  # let the stream start first
+                raise RuntimeError("injected step fault")
 
     engine.fault_injector = fault
-    with httpx.stream("POST", base + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200
-        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    finally:
+        engine.fault_injector = None
     assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2] and "injected step fault" in lines[-2]
-    assert httpx.get(base + "/health").status_code == 503
-    r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
-    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    assert '"code": 500' in lines[-2] and "(forward)" in lines[-2], lines[-2]
+    assert httpx.get(base + "/health").status_code == 200
+    _assert_recovers(base)
