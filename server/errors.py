@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.protocol import ErrorInfo, ErrorResponse
+
 # status code -> the OpenAI error type name clients switch on
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -40,7 +42,8 @@ class APIError(Exception):
 
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict[str, Any]:
     err_type = ERROR_TYPES.get(status) or ("BadRequestError" if status < 500 else "InternalServerError")
-    return {"error": {"message": _encodable(message), "type": err_type, "param": _encodable(param), "code": status}}
+    info = ErrorInfo(message=_encodable(message), type=err_type, param=_encodable(param), code=status)
+    return ErrorResponse(error=info).model_dump()
 
 
 def _encodable(text: Optional[str]) -> Optional[str]:

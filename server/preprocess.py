@@ -192,6 +192,8 @@ def _sampling_params(
         max_tokens = max(1, ctx.max_model_len - longest)
     if isinstance(max_tokens, int) and max_tokens >= 1 and longest + max_tokens > ctx.max_model_len:
         raise _context_error(ctx, longest, max_tokens)
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError("prompt_logprobs is not available with stream=true.", 400, "prompt_logprobs")
     if body.stop_token_ids:
         check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
     if body.allowed_token_ids is not None:

@@ -20,7 +20,7 @@ class RequestModel(BaseModel):
     of server/limits.py. Unknown fields are accepted and ignored, as vLLM does, so that clients written for newer
     servers keep working; they stay in `model_extra` for unknown_fields() to report."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
 
 
 def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
@@ -40,6 +40,7 @@ class StreamOptions(RequestModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    """vLLM: every chunk carries `usage`: its prompt's tokens and its choice's tokens so far."""
 
 
 class SamplingFields(RequestModel):
@@ -62,21 +63,30 @@ class SamplingFields(RequestModel):
     min_tokens: MinTokens = 0
     logit_bias: Optional[LogitBias] = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     best_of: Optional[NumChoices] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[Text] = None
-    # vLLM's extensions
-    truncate_prompt_tokens: Optional[TruncateTokens] = None  # keep the last k prompt tokens; -1: max_model_len
+    spaces_between_special_tokens: bool = True
+    """vLLM: join special tokens with spaces when the tokenizer's decoding does (byte-level BPE tokenizers never
+    insert them, so both values give the same text there, as in vLLM)."""
+    truncate_prompt_tokens: Optional[TruncateTokens] = None
+    """vLLM: keep only the last k prompt tokens (-1: the context length)."""
     prompt_logprobs: Optional[NumLogprobs] = None
+    """vLLM: return each prompt token's logprob and the top-k alternatives (`prompt_logprobs`; not with stream)."""
     allowed_token_ids: Optional[TokenIds] = None
+    """vLLM: sample only from these token ids."""
     bad_words: Optional[StopList] = None
+    """vLLM: words that must not be generated: the last token of a word is masked when the output ends with
+    the word's other tokens (each word is banned at the start of the text and after a space)."""
     return_tokens_as_token_ids: bool = False
-    priority: Priority = 0  # lower runs first under --scheduling-policy priority
-    request_id: Optional[RequestId] = None  # the response's id is the endpoint's prefix + this
+    """vLLM: logprobs name tokens as `token_id:<id>` instead of their text."""
+    priority: Priority = 0
+    """vLLM: with --scheduling-policy priority, lower values are scheduled first (ties: arrival order)."""
+    request_id: Optional[RequestId] = None
+    """vLLM: the response's id is the endpoint's prefix and this (`cmpl-<request_id>`), instead of a random one."""
 
 
 class CompletionRequest(SamplingFields):
@@ -88,6 +98,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[NumLogprobs] = None
     suffix: Optional[Text] = None
     add_special_tokens: bool = True
+    """vLLM: add the tokenizer's special tokens (BOS) to text prompts."""
 
 
 class TextPart(RequestModel):
@@ -112,9 +123,14 @@ class ChatTemplateFields(RequestModel):
     """How chat messages become a prompt (vLLM's fields, shared by chat and /tokenize)."""
 
     add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the last (assistant) message stays open; the model continues it
-    chat_template_kwargs: Optional[TemplateKwargs] = None  # extra variables for the chat template
-    documents: Optional[Documents] = None  # passed to the template as `documents` (RAG templates)
+    """End the prompt with the assistant's turn header."""
+    continue_final_message: bool = False
+    """vLLM: the last (assistant) message stays open and the model continues it (needs add_generation_prompt
+    false)."""
+    chat_template_kwargs: Optional[TemplateKwargs] = None
+    """vLLM: extra variables for the chat template (they override the ones above)."""
+    documents: Optional[Documents] = None
+    """vLLM: passed to the chat template as `documents` (RAG templates)."""
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -125,8 +141,10 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: Optional[NumTokens] = None
     logprobs: bool = False
     top_logprobs: Optional[TopLogprobs] = None
-    echo: bool = False  # the reply starts with the last message's content when that message is the assistant's
-    add_special_tokens: bool = False  # the chat template already adds them
+    echo: bool = False
+    """vLLM: the reply starts with the last message's content when that message is the assistant's."""
+    add_special_tokens: bool = False
+    """vLLM: add the tokenizer's special tokens (BOS) to the rendered prompt; the chat template already has them."""
 
 
 class UsageInfo(BaseModel):
@@ -146,14 +164,32 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
-    """One choice of a completion."""
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token of a prompt position (the prompt's own token or one of the top-k)."""
+
+    logprob: float
+    rank: Optional[int] = None  # 1 = most likely; null when the token is outside the top-k computed
+    decoded_token: Optional[str] = None
+
+
+# One entry per prompt token, keyed by token id; the first token has no context, so its entry is null.
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
+class CompletionStreamChoice(BaseModel):
+    """One choice of a completion chunk."""
 
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+
+
+class CompletionChoice(CompletionStreamChoice):
+    """One choice of a completion."""
+
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -174,8 +210,8 @@ class CompletionStreamResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+    choices: list[CompletionStreamChoice]
+    usage: Optional[UsageInfo] = None  # the last chunk's (include_usage), or every chunk's (continuous_usage_stats)
 
 
 class TopLogprob(BaseModel):
@@ -224,6 +260,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ChatDelta(BaseModel):

@@ -49,7 +49,8 @@ async def _serve(request: Request, ctx: ServerContext, job: Job) -> Response:
     finals = await streaming.collect(request, ctx.engine, job)
     if finals is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    return JSONResponse(formatting.full_response(ctx.tokenizer, job, finals))
+    body = formatting.full_response(ctx.tokenizer, job, finals)
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def list_models(request: Request) -> ModelList:

@@ -5,15 +5,20 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import Request
+from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
 from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.sequence import RequestOutput
 from server import formatting
 from server.errors import APIError, error_body
+from server.protocol import (
+    ChatCompletionStreamResponse, ChatDelta, ChatLogprobs, ChatStreamChoice, CompletionStreamChoice,
+    CompletionStreamResponse, UsageInfo,
+)
 from server.job import Job, JobKind
 
 logger = logging.getLogger(__name__)
@@ -110,11 +115,13 @@ class _ChoiceState:
     finished: bool = False
 
 
-def sse_response(engine: Any, job: Job, shutdown_timeout_s: float) -> EventSourceResponse:
+def sse_response(engine: Any, job: Job, shutdown_timeout_s: float, events: Optional[AsyncIterator] = None
+                 ) -> EventSourceResponse:
+    """The SSE response of a streamed job (its chunk events unless `events` is given)."""
     # On SIGTERM sse-starlette cancels open streams at once (the client sees the connection drop, no [DONE])
     # unless given a grace period. The engine itself ends what is left at the shutdown deadline, and this
     # generator then sends the 503 error event and [DONE]; the grace only has to outlast that deadline.
-    return EventSourceResponse(_events(engine, job), sep="\n", ping=PING_INTERVAL_S,
+    return EventSourceResponse(events or _events(engine, job), sep="\n", ping=PING_INTERVAL_S,
                                shutdown_grace_period=shutdown_timeout_s + SHUTDOWN_GRACE_MARGIN_S)
 
 
@@ -126,7 +133,9 @@ async def _events(engine: Any, job: Job) -> AsyncIterator[dict[str, str]]:
     try:
         if job.kind is JobKind.CHAT:
             for j in range(job.params.n):
-                yield _data(_chunk(job, j, {"role": "assistant", "content": ""}))
+                yield data(_chat_chunk(job, j, ChatDelta(role="assistant", content=""), usage=_running_usage(job, 0, 0)))
+                if job.echo_text:
+                    yield data(_chat_chunk(job, j, ChatDelta(content=job.echo_text), usage=_running_usage(job, 0, 0)))
         async for i, out in run_job(engine, job):
             formatting.raise_for_output_error(out)
             if out.finished:
@@ -136,23 +145,23 @@ async def _events(engine: Any, job: Job) -> AsyncIterator[dict[str, str]]:
                 state = states.setdefault(index, _ChoiceState())
                 chunk = _choice_delta(tokenizer, job, i, out, c, index, state)
                 if chunk is not None:
-                    yield _data(chunk)
+                    yield data(chunk)
         if job.include_usage:
-            yield _data(_usage_chunk(job, finals))
+            yield data(_envelope(job, [], formatting.usage(job, finals)))
     except Exception as exc:  # after the 200 went out, errors travel as an event
         err = engine_error(exc)
-        yield _data(error_body(err.message, err.status, err.param))
+        yield {"data": json.dumps(error_body(err.message, err.status, err.param), ensure_ascii=False)}
     yield {"data": DONE}
 
 
 def _choice_delta(
     tokenizer: Any, job: Job, i: int, out: RequestOutput, c: Any, index: int, state: _ChoiceState
-) -> Optional[dict[str, Any]]:
+) -> Union[ChatCompletionStreamResponse, CompletionStreamResponse, None]:
     """The chunk for what choice c gained since the last one, or None when nothing changed."""
     if state.finished:
         return None
     text = c.text[state.text_len:]
-    prefix = job.prompt_texts[i] if job.echo and not state.started else ""
+    prefix = job.prompt_texts[i] if job.echo and job.kind is JobKind.COMPLETION and not state.started else ""
     reason = c.finish_reason
     logprobs = None
     if job.logprobs is not None and (len(c.token_ids) > state.num_tokens or prefix):
@@ -164,31 +173,37 @@ def _choice_delta(
         return None
     state.started, state.text_len, state.num_tokens = True, len(c.text), len(c.token_ids)
     state.finished = reason is not None
+    usage = _running_usage(job, i, len(c.token_ids))
     if job.kind is JobKind.CHAT:
-        return _chunk(job, index, {"content": text}, logprobs, reason, c.stop_reason)
-    choice = {"index": index, "text": prefix + text, "logprobs": logprobs,
-              "finish_reason": reason, "stop_reason": c.stop_reason}
-    return _envelope(job, [choice])
+        return _chat_chunk(job, index, ChatDelta(content=text), logprobs, reason, c.stop_reason, usage)
+    choice = CompletionStreamChoice(index=index, text=prefix + text, logprobs=logprobs, finish_reason=reason,
+                                    stop_reason=c.stop_reason)
+    return _envelope(job, [choice], usage)
 
 
-def _chunk(job: Job, index: int, delta: dict, logprobs: Optional[dict] = None,
-           reason: Optional[str] = None, stop_reason: Any = None) -> dict[str, Any]:
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-    if reason is not None:
-        choice["stop_reason"] = stop_reason
-    return _envelope(job, [choice])
+def _running_usage(job: Job, prompt_index: int, num_tokens: int) -> Optional[UsageInfo]:
+    """continuous_usage_stats: the chunk's prompt and the tokens of its choice so far (vLLM's per-chunk usage)."""
+    if not job.continuous_usage:
+        return None
+    prompt = len(job.prompts[prompt_index])
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=num_tokens, total_tokens=prompt + num_tokens)
 
 
-def _envelope(job: Job, choices: list[dict]) -> dict[str, Any]:
-    obj = "chat.completion.chunk" if job.kind is JobKind.CHAT else "text_completion"
-    return {"id": job.id, "object": obj, "created": job.created, "model": job.model, "choices": choices}
+def _chat_chunk(job: Job, index: int, delta: ChatDelta, logprobs: Optional[ChatLogprobs] = None,
+                reason: Optional[str] = None, stop_reason: Any = None,
+                usage: Optional[UsageInfo] = None) -> ChatCompletionStreamResponse:
+    choice = ChatStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
+                              stop_reason=stop_reason)
+    return ChatCompletionStreamResponse(id=job.id, created=job.created, model=job.model, choices=[choice],
+                                        usage=usage)
 
 
-def _usage_chunk(job: Job, finals: dict[int, RequestOutput]) -> dict[str, Any]:
-    chunk = _envelope(job, [])
-    chunk["usage"] = formatting.usage(job, finals)
-    return chunk
+def _envelope(job: Job, choices: list, usage: Optional[UsageInfo] = None
+              ) -> Union[ChatCompletionStreamResponse, CompletionStreamResponse]:
+    model = ChatCompletionStreamResponse if job.kind is JobKind.CHAT else CompletionStreamResponse
+    return model(id=job.id, created=job.created, model=job.model, choices=choices, usage=usage)
 
 
-def _data(payload: dict[str, Any]) -> dict[str, str]:
-    return {"data": json.dumps(payload, ensure_ascii=False)}
+def data(payload: BaseModel) -> dict[str, str]:
+    """One SSE event of a response model (None fields kept: OpenAI's chunks carry `"logprobs": null`)."""
+    return {"data": payload.model_dump_json()}
