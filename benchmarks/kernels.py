@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import engine  # noqa: E402,F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp, as the server does)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as `pagedserve serve` does
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

@@ -24,9 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `pagedserve serve` sets it (server/cli.py), before torch loads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine  # noqa: E402,F401  (first: it sets OMP_WAIT_POLICY before torch loads libgomp)
 import torch  # noqa: E402
 
 # Stage -> the (object attribute path, method) pairs whose time it sums. "forward" is the model's

@@ -1,14 +1,13 @@
 """LLMEngine: one step = schedule -> cache moves -> forward -> sample -> outputs."""
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
-import torch
+
 
 from engine import ops
 from engine.cache_engine import CacheEngine, determine_num_blocks
@@ -50,7 +49,6 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.manual_seed(config.seed)
         loaded = load_model(config)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.device, self.dtype = loaded.device, loaded.dtype
@@ -76,16 +74,12 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._preempted_recompute = 0
         self._preempted_swap = 0
-        # What loading left (torch, transformers, the model: ~400k objects) never becomes garbage; a
-        # full collection walking it takes ~0.2 s with the GIL held. Freezing it keeps them cheap.
-        gc.collect()
-        gc.freeze()
 
     def _build_scheduling(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         """The per-request state: queues and block tables, sampler generators, detokenizer."""
         # The model's window (every layer's) lets the block manager release blocks the attention no longer reads.
         self.scheduler = Scheduler(self.config, num_device_blocks, num_cpu_blocks, sliding_window=self.model.kv_window)
-        self.sampler = Sampler(eos_token_id=self.eos_token_id)
+        self.sampler = Sampler(eos_token_id=self.eos_token_id, seed=self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.config.max_model_len, self.eos_token_id,
                                                 self.seq_counter)
 

@@ -96,7 +96,6 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"pagedserve: converting {gguf_path.name} to safetensors in {target} (once; about 30 s)", file=sys.stderr)
     start = time.monotonic()
@@ -104,10 +103,11 @@ def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     try:
         steps = tqdm(total=3, desc="Converting the default model", unit="step", file=sys.stderr)
         steps.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
         steps.update()
         steps.set_postfix_str("dequantizing weights")
-        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                          local_files_only=True)
         steps.update()
         steps.set_postfix_str("saving")
         _save_clean_copy(gguf_model, tmp)
@@ -211,7 +211,6 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True) -> LoadedMod
     pack_cpu_linears=False keeps the plain nn.Linear weights (to compare or save them)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_path = Path(config.model).expanduser() if config.model else default_model_path()
     if not model_path.exists():
         raise ValueError(f"--model {config.model!r}: no such folder or file (models are never downloaded).")
@@ -223,12 +222,12 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True) -> LoadedMod
         if model_path.suffix != ".gguf":
             raise ValueError(f"--load-format gguf needs a .gguf file, got {model_path}.")
         kwargs = dict(gguf_file=model_path.name)
-        hf_config = AutoConfig.from_pretrained(str(model_path.parent), **kwargs)
+        hf_config = AutoConfig.from_pretrained(str(model_path.parent), local_files_only=True, **kwargs)
         tok_source, tok_kwargs = (config.tokenizer, {}) if config.tokenizer else (str(model_path.parent), kwargs)
     else:
-        hf_config = AutoConfig.from_pretrained(str(model_path))
+        hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
         tok_source, tok_kwargs = config.tokenizer or str(model_path), {}
-    tokenizer = AutoTokenizer.from_pretrained(tok_source, **tok_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(tok_source, local_files_only=True, **tok_kwargs)
 
     dtype = resolve_dtype(config, hf_config, device)
     model_cls = get_model_class(hf_config)
@@ -274,7 +273,7 @@ def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     # transformers dequantizes GGUF and renames its tensors to HF names (and un-permutes q/k for RoPE).
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     yield from hf_model.state_dict().items()
 
 

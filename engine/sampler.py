@@ -35,8 +35,12 @@ def _num_samples(group: SequenceGroup) -> int:
 class Sampler:
     """Samples the next token of every running sequence of the scheduled groups."""
 
-    def __init__(self, eos_token_id: Optional[int] = None) -> None:
+    def __init__(self, eos_token_id: Optional[int] = None, seed: Optional[int] = None) -> None:
         self.eos_token_id = eos_token_id
+        # Unseeded requests draw from the sampler's own generator (seeded with the engine's --seed), never from
+        # torch's global one: the process's random state is not the engine's to set or consume.
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(
         self,
@@ -131,11 +135,12 @@ class Sampler:
 
     def _uniforms(self, n, groups, starts, slot_rows, random_slots, device) -> torch.Tensor:  # [n] in [0, 1)
         u = torch.empty(n, device=device)
+        shared = self._shared_generator(device)
         if not any(g.sampling_params.seed is not None for g, _ in groups):
-            return u.uniform_()
+            return u.uniform_(generator=shared)
         # Slots of one group are contiguous; a seeded group draws from its own
         # generator only, so its tokens do not depend on the rest of the batch,
-        # and it takes nothing from the global generator the others share.
+        # and it takes nothing from the generator the others share.
         owner = _row_groups(groups, starts)
         i = 0
         while i < n:
@@ -143,9 +148,19 @@ class Sampler:
             j = i
             while j < n and owner[slot_rows[random_slots[j]]] is group:
                 j += 1
-            u[i:j].uniform_(generator=_generator(group, device))
+            u[i:j].uniform_(generator=_generator(group, device) or shared)
             i = j
         return u
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+            if self.seed is None:
+                gen.seed()  # nondeterministic
+            else:
+                gen.manual_seed(self.seed)
+        return gen
 
     # ---- results -----------------------------------------------------------
 
@@ -196,7 +211,7 @@ def _row_groups(groups, starts) -> dict[int, SequenceGroup]:
 
 
 def _generator(group: SequenceGroup, device: torch.device) -> Optional[torch.Generator]:
-    """The group's own seeded generator (created on first use), or None for the global one."""
+    """The group's own seeded generator (created on first use), or None for the sampler's shared one."""
     seed = group.sampling_params.seed
     if seed is None:
         return None

@@ -10,6 +10,7 @@ from tiny_models import save_random_model, tiny_llama_config
 
 # Never reach a model hub from the tests.
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `pagedserve serve` sets it (server/cli.py)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

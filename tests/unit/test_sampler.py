@@ -103,8 +103,7 @@ def test_random_sampling_only_draws_from_the_allowed_set_and_follows_the_distrib
     row = torch.full((VOCAB,), -float("inf"))
     row[:4] = probs.log()
     groups = [make_group(SamplingParams(temperature=1.0)) for _ in range(4000)]
-    torch.manual_seed(0)
-    tokens = [s[0].token_id for s in Sampler(EOS)(row.expand(4000, VOCAB).clone(), groups)]
+    tokens = [s[0].token_id for s in Sampler(EOS, seed=0)(row.expand(4000, VOCAB).clone(), groups)]
     freq = torch.bincount(torch.tensor(tokens), minlength=VOCAB)[:4].float() / 4000
     torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
     assert max(tokens) < 4
@@ -193,14 +192,12 @@ def test_seeded_requests_reproduce_whatever_the_batch():
     assert len({t for step in alone for t in step}) > 1  # it really is random
 
 
-def test_seeded_rows_do_not_consume_the_global_generator():
+def test_seeded_rows_do_not_consume_the_shared_generator():
     logits = rand_logits(1, seed=1)
-    torch.manual_seed(7)
-    alone = Sampler(EOS)(logits, [make_group(SamplingParams(temperature=1.0, best_of=3))])
+    alone = Sampler(EOS, seed=7)(logits, [make_group(SamplingParams(temperature=1.0, best_of=3))])
     seeded = make_group(SamplingParams(temperature=1.0, seed=3, best_of=2))
-    torch.manual_seed(7)
-    mixed = Sampler(EOS)(torch.cat([rand_logits(1, seed=2), logits]),
-                         [seeded, make_group(SamplingParams(temperature=1.0, best_of=3))])
+    mixed = Sampler(EOS, seed=7)(torch.cat([rand_logits(1, seed=2), logits]),
+                                 [seeded, make_group(SamplingParams(temperature=1.0, best_of=3))])
     assert [s.token_id for s in mixed[1]] == [s.token_id for s in alone[0]]
 
 

@@ -1,0 +1,42 @@
+"""The engine is a library: building and running one leaves the process's environment, torch's global random
+state and the garbage collector as they were; --seed reaches sampling through the engine's own generator."""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_importing_the_engine_sets_no_environment_variable():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = "import os, engine, engine.llm_engine; print(os.environ.get('OMP_WAIT_POLICY'))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None"
+
+
+def test_an_engine_leaves_process_state_alone_and_seeds_its_own_sampling(tiny_llama_dir, monkeypatch):
+    from engine import LLM
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    env, rng, frozen = dict(os.environ), torch.random.get_rng_state(), gc.get_freeze_count()
+    kwargs = dict(model=str(tiny_llama_dir), dtype="float32", num_gpu_blocks_override=32,
+                  num_cpu_blocks_override=0, max_model_len=64, seed=7)
+    first = LLM(**kwargs)
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)  # unseeded: the engine's generator
+    a = first.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
+    assert dict(os.environ) == env
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert gc.get_freeze_count() == frozen
+    torch.rand(100)  # whatever else the process draws does not change what the engine samples
+    b = LLM(**kwargs).generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
