@@ -9,7 +9,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from engine.faults import StepError
 from engine.memory import find_malloc_trim
@@ -99,6 +99,8 @@ class AsyncLLMEngine:
         self._fault_streak = 0  # steps that raised since the last one that did not (idle time between them too)
         self._reset_times: list[float] = []
         self._adding: set[str] = set()  # requests queued to the loop, not yet in the engine
+        # Called (on the loop) when the engine stops for good; the CLI ends the process so a supervisor restarts it.
+        self.on_dead: Optional[Callable[[], None]] = None
         self._accepting = True
         self._cut_handle: Optional[asyncio.TimerHandle] = None  # ends what is left at the shutdown deadline
         self._malloc_trim = find_malloc_trim()
@@ -315,7 +317,9 @@ class AsyncLLMEngine:
         except BaseException as exc:  # outside a step, or resets did not help: stop serving
             logger.exception("the engine loop failed; the engine is dead")
             self._dead = exc
-            self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+            self._fail_all(EngineDeadError(f"The engine stopped: {exc}"))
+            if self.on_dead is not None:
+                self.on_dead()
 
     def _step(self) -> tuple[list[RequestOutput], Any, Optional[_Fault]]:
         """Runs in the executor thread: the only place the engine computes. A step that raised has ended its

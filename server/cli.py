@@ -124,7 +124,13 @@ def serve(args: argparse.Namespace) -> int:
                        timeout_graceful_shutdown=max(1, args.shutdown_timeout)),  # type: ignore[arg-type]
         on_exit=lambda: engine.begin_shutdown(cut_after_s),
     )
+    # An engine that stopped for good (faults that outlived its resets) ends the process with status 1, so
+    # the supervisor (Docker's restart policy, systemd, Kubernetes) starts a fresh one (docs/reliability.md).
+    engine.on_dead = lambda: os.kill(os.getpid(), signal.SIGTERM)
     server.run()
+    if engine.errored:
+        logger.error("exiting with status 1: the engine stopped (%s)", engine.unavailable_reason)
+        return 1
     return 0
 
 

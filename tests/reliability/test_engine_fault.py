@@ -178,3 +178,60 @@ async def _burst(base: str) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
         await asyncio.gather(*[client.post(base + "/v1/completions", json={**SHORT, "prompt": [100 + i] * 4})
                                for i in range(3)])
+
+
+# `pagedserve serve` whose forward always raises (the test hook, set on every LLMEngine the CLI builds).
+_FAULTY_CLI = """
+import sys
+import engine.llm_engine as le
+from server import cli
+build = le.LLMEngine.__init__
+def faulty(self, *args, **kwargs):
+    build(self, *args, **kwargs)
+    def fault(stage, request_ids):
+        if stage == "forward":
+            raise RuntimeError("injected permanent fault")
+    self.fault_injector = fault
+le.LLMEngine.__init__ = faulty
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # a server process of its own: ~30 s on 2 cores
+def test_cli_exits_with_status_1_when_the_engine_stops(tiny_llama_dir, tmp_path):
+    """A supervisor restarts a process, not an engine: once the resets do not help, `pagedserve serve` exits 1."""
+    import subprocess
+    import sys
+    import time
+
+    from reliability_harness import ROOT
+    from serving_harness import free_port
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-c", _FAULTY_CLI, "serve", str(tiny_llama_dir), "--host", "127.0.0.1",
+                             "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "64",
+                             "--num-gpu-blocks-override", "32",
+                             "--disable-log-stats"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-2000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                asyncio.run(_burst(base))
+            except httpx.HTTPError:
+                pass  # the server is going down
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "server.log").read_text()
+    assert "engine reset" in text and "exiting with status 1" in text, text[-2000:]
