@@ -32,7 +32,7 @@ def completion_job(ctx: ServerContext, body: CompletionRequest) -> Job:
         raise APIError("suffix is not supported.", 400, "suffix")
     prompts, texts = _completion_prompts(ctx, body)
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    params = _sampling_params(
+    params = sampling_params(
         ctx, body, prompts, body.max_tokens,
         logprobs=body.logprobs, prompt_logprobs=_max_or_none(echo_logprobs, body.prompt_logprobs),
     )
@@ -55,7 +55,7 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
     _check_prompt(ctx, ids, "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+    params = sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
     last = body.messages[-1]
     echo_text = _content_text(last.content) if body.echo and last.role == "assistant" else ""
     return Job(
@@ -68,7 +68,9 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
 
 def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTemplateFields) -> str:
     """The tokenizer's chat template over messages whose content parts are joined into one string."""
-    plain = [{"role": m.role, "content": _content_text(m.content)} for m in messages]
+    # Templates know system, not OpenAI's newer name for it.
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m.content)}
+             for m in messages]
     if options.continue_final_message and options.add_generation_prompt:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true.", 400,
                        "continue_final_message")
@@ -175,7 +177,7 @@ def _context_error(ctx: ServerContext, prompt_len: int, max_tokens: int) -> APIE
     )
 
 
-def _sampling_params(
+def sampling_params(
     ctx: ServerContext,
     body: SamplingFields,
     prompts: list[list[int]],

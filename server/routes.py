@@ -4,17 +4,17 @@ from __future__ import annotations
 from typing import Any, Union
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from server import __version__, formatting, preprocess, streaming
-from server.errors import APIError, error_response
+from server import __version__, formatting, preprocess, responses, streaming
 from server.context import ServerContext
+from server.errors import APIError, error_response
 from server.job import Job
 from server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse,
 )
+from server.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
 
 # Documented on every route that takes a body; the handlers in errors.py produce these shapes.
 ERRORS: dict[Union[int, str], dict[str, Any]] = {
@@ -39,6 +39,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx = _ctx(request)
     ctx.warn_unknown_fields("/v1/chat/completions", body)
     return await _serve(request, ctx, preprocess.chat_job(ctx, body))
+
+
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.warn_unknown_fields("/v1/responses", body)
+    return await responses.create(ctx, request, body)
+
+
+async def get_response(response_id: str, request: Request) -> ResponseObject:
+    stored = _ctx(request).responses.get(response_id)
+    if stored is None:
+        raise APIError(f"No stored response {response_id!r}.", 404, "response_id")
+    return stored.response
+
+
+async def delete_response(response_id: str, request: Request) -> ResponseDeleted:
+    if not _ctx(request).responses.delete(response_id):
+        raise APIError(f"No stored response {response_id!r}.", 404, "response_id")
+    return ResponseDeleted(id=response_id)
 
 
 async def _serve(request: Request, ctx: ServerContext, job: Job) -> Response:
@@ -104,6 +123,12 @@ def build_router() -> APIRouter:
                          methods=["POST"], response_model=CompletionResponse, responses={**SSE, **ERRORS})
     router.add_api_route("/v1/chat/completions", create_chat_completion,
                          methods=["POST"], response_model=ChatCompletionResponse, responses={**SSE, **ERRORS})
+    router.add_api_route("/v1/responses", create_response,
+                         methods=["POST"], response_model=ResponseObject, responses={**SSE, **ERRORS})
+    router.add_api_route("/v1/responses/{response_id}", get_response,
+                         methods=["GET"], response_model=ResponseObject, responses=ERRORS)
+    router.add_api_route("/v1/responses/{response_id}", delete_response,
+                         methods=["DELETE"], response_model=ResponseDeleted, responses=ERRORS)
     router.add_api_route("/v1/models", list_models,
                          methods=["GET"], response_model=ModelList, responses=ERRORS)
     router.add_api_route("/health", health, response_class=Response,

@@ -95,6 +95,13 @@ BAD_INPUTS: list[tuple[str, str, Any, int, Any]] = [
     ("chat-stream-options-without-stream", _CHAT, _chat(stream_options={"include_usage": True}), 400,
      "stream_options"),
     ("chat-too-long", _CHAT, _chat(messages=[{"role": "user", "content": LONG_PROMPT}]), 400, None),
+    ("responses-input-missing", "/v1/responses", {"model": MODEL}, 400, "input"),
+    ("responses-input-empty", "/v1/responses", {"input": []}, 400, "input"),
+    ("responses-bad-role", "/v1/responses", {"input": [{"role": "wizard", "content": "x"}]}, 400, "input"),
+    ("responses-temperature-range", "/v1/responses", {"input": "Hi", "temperature": 3}, 400, "temperature"),
+    ("responses-max-output-tokens-zero", "/v1/responses", {"input": "Hi", "max_output_tokens": 0}, 400,
+     "max_output_tokens"),
+    ("responses-unknown-model", "/v1/responses", {"input": "Hi", "model": "nope"}, 404, "model"),
     ("tokenize-neither", "/tokenize", {"model": MODEL}, 400, "prompt"),
     ("detokenize-outside-vocab", "/detokenize", {"tokens": [10**9]}, 400, "tokens"),
 ]

@@ -67,7 +67,8 @@ def test_openapi_yaml_matches_app(generated):
 def test_openapi_documents_the_api(generated):
     routes = surface(generated)
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /version",
-            "POST /tokenize", "POST /detokenize", "GET /metrics"} <= set(routes)
+            "POST /tokenize", "POST /detokenize", "GET /metrics", "POST /v1/responses",
+            "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}"} <= set(routes)
     completion = routes["POST /v1/completions"]
     assert {"prompt", "echo", "logprobs", "stream_options", "best_of"} <= set(completion["request"]["properties"])
     assert completion["request"]["extra"] is True  # unknown fields are accepted and ignored, and documented so

@@ -1,0 +1,151 @@
+"""POST /v1/responses on the chat path: input -> chat messages -> one engine request -> a response or its events."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.sequence import RequestOutput
+from server import formatting, preprocess, streaming
+from server.context import ServerContext, StoredResponse
+from server.errors import APIError
+from server.job import Job, JobKind
+from server.protocol import ChatMessage, ChatTemplateFields, SamplingFields
+from server.protocol_responses import (
+    ContentPartEvent, IncompleteDetails, InputMessage, LifecycleEvent, OutputItemEvent, OutputMessage, OutputText,
+    ResponseObject, ResponsesRequest, ResponseUsage, TextDeltaEvent, TextDoneEvent,
+)
+
+
+def conversation(ctx: ServerContext, body: ResponsesRequest) -> list[dict[str, str]]:
+    """The messages this response answers: a stored response's conversation, then this input (no instructions)."""
+    history: list[dict[str, str]] = []
+    if body.previous_response_id is not None:
+        stored = ctx.responses.get(body.previous_response_id)
+        if stored is None:
+            raise APIError(f"No stored response {body.previous_response_id!r} (only responses created with "
+                           "store: true are kept, and the oldest are dropped).", 404, "previous_response_id")
+        history = list(stored.conversation)
+    items = [InputMessage(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    if not items:
+        raise APIError("input must contain at least one message.", 400, "input")
+    return history + [{"role": m.role, "content": _text(m)} for m in items]
+
+
+def _text(message: InputMessage) -> str:
+    return message.content if isinstance(message.content, str) else "\n".join(p.text for p in message.content)
+
+
+def response_job(ctx: ServerContext, body: ResponsesRequest, messages: list[dict[str, str]]) -> Job:
+    preprocess.check_model(ctx, body.model)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    chat = [ChatMessage(role=m["role"], content=m["content"]) for m in system + messages]
+    text = preprocess.render_chat(ctx, chat, ChatTemplateFields())
+    ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
+    fields = SamplingFields(temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p, stream=body.stream)
+    params = preprocess.sampling_params(ctx, fields, [ids], body.max_output_tokens, logprobs=None)
+    return Job(JobKind.RESPONSE, f"resp_{uuid.uuid4().hex}", int(time.time()), ctx.model_name, [ids], [text],
+               params, stream=body.stream, priority=body.priority)
+
+
+def response_object(job: Job, body: ResponsesRequest, output: list[OutputMessage],
+                    final: Optional[RequestOutput] = None) -> ResponseObject:
+    """The response as it stands: in progress until `final` (the finished engine output) is given."""
+    status, incomplete, usage = "in_progress", None, None
+    if final is not None:
+        choice = final.outputs[0]
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        incomplete = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+        prompt, generated = len(job.prompts[0]), len(choice.token_ids)
+        usage = ResponseUsage(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated)
+    return ResponseObject(
+        id=job.id, created_at=job.created, status=status, incomplete_details=incomplete,
+        instructions=body.instructions, max_output_tokens=body.max_output_tokens, model=job.model, output=output,
+        previous_response_id=body.previous_response_id, store=body.store, temperature=body.temperature,
+        top_p=body.top_p, metadata=body.metadata, user=body.user, usage=usage,
+    )
+
+
+def _message(message_id: str, text: str, status: str) -> OutputMessage:
+    return OutputMessage(id=message_id, status=status, content=[OutputText(text=text)])
+
+
+def _keep(ctx: ServerContext, body: ResponsesRequest, response: ResponseObject,
+          messages: list[dict[str, str]], reply: str) -> None:
+    if body.store:
+        ctx.responses.put(response.id, StoredResponse(response, messages + [{"role": "assistant", "content": reply}]))
+
+
+async def create(ctx: ServerContext, request: Request, body: ResponsesRequest) -> Response:
+    messages = conversation(ctx, body)
+    job = response_job(ctx, body, messages)
+    if not ctx.engine.is_ready:
+        raise APIError(ctx.engine.unavailable_reason, 503)
+    if job.stream:
+        return streaming.sse_response(ctx.engine, job, ctx.shutdown_timeout_s, _events(ctx, job, body, messages))
+    finals = await streaming.collect(request, ctx.engine, job)
+    if finals is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    final = finals[0]
+    formatting.raise_for_output_error(final)
+    text = final.outputs[0].text
+    message = _message(f"msg_{uuid.uuid4().hex}", text, "completed")
+    response = response_object(job, body, [message], final)
+    if response.status == "incomplete":
+        response.output[0].status = "incomplete"
+    _keep(ctx, body, response, messages, text)
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _events(ctx: ServerContext, job: Job, body: ResponsesRequest,
+                  messages: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+    """The Responses stream: lifecycle, the message item and its one text part, text deltas, then completion."""
+    seq = itertools.count()
+    item_id = f"msg_{uuid.uuid4().hex}"
+    where = dict(item_id=item_id, output_index=0, content_index=0)
+    yield _event(LifecycleEvent(type="response.created", sequence_number=next(seq),
+                                response=response_object(job, body, [])))
+    yield _event(LifecycleEvent(type="response.in_progress", sequence_number=next(seq),
+                                response=response_object(job, body, [])))
+    yield _event(OutputItemEvent(type="response.output_item.added", sequence_number=next(seq), output_index=0,
+                                 item=OutputMessage(id=item_id, status="in_progress", content=[])))
+    yield _event(ContentPartEvent(type="response.content_part.added", sequence_number=next(seq),
+                                  part=OutputText(text=""), **where))
+    text, final = "", None
+    try:
+        async for _, out in streaming.run_job(ctx.engine, job):
+            formatting.raise_for_output_error(out)
+            delta = out.outputs[0].text[len(text):]
+            if delta:
+                text += delta
+                yield _event(TextDeltaEvent(sequence_number=next(seq), delta=delta, **where))
+            if out.finished:
+                final = out
+    except Exception as exc:  # after the 200 went out, errors travel as an event
+        err = streaming.engine_error(exc)
+        payload = {"type": "error", "sequence_number": next(seq), "code": str(err.status), "message": err.message,
+                   "param": err.param}
+        yield {"event": "error", "data": json.dumps(payload, ensure_ascii=False)}
+        return
+    response = response_object(job, body, [], final)
+    message = _message(item_id, text, "incomplete" if response.status == "incomplete" else "completed")
+    response.output = [message]
+    yield _event(TextDoneEvent(sequence_number=next(seq), text=text, **where))
+    yield _event(ContentPartEvent(type="response.content_part.done", sequence_number=next(seq),
+                                  part=OutputText(text=text), **where))
+    yield _event(OutputItemEvent(type="response.output_item.done", sequence_number=next(seq), output_index=0,
+                                 item=message))
+    # Also when max_output_tokens ended it (status "incomplete"): the openai client's stream helper finishes
+    # on response.completed only (vLLM sends the same).
+    yield _event(LifecycleEvent(type="response.completed", sequence_number=next(seq), response=response))
+    _keep(ctx, body, response, messages, text)
+
+
+def _event(event: Any) -> dict[str, str]:
+    return {"event": event.type, "data": event.model_dump_json()}

@@ -1,0 +1,113 @@
+"""POST /v1/responses through the real server and the default SmolLM2, driven by the openai client's Responses API."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from bad_inputs import MODEL
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def client(real_server):
+    return openai.OpenAI(base_url=real_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_text(client, messages, max_tokens=12) -> str:
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    return out.choices[0].message.content
+
+
+def stored(server) -> int:
+    """How many responses the server keeps (its ServerContext's store)."""
+    return len(server.server.config.app.state.ctx.responses)
+
+
+def prompt_len(real_server, messages) -> int:
+    return httpx.post(real_server.base_url + "/tokenize", json={"messages": messages}).json()["count"]
+
+
+def test_text_input_with_instructions_is_the_chat_answer(client, real_server):
+    r = client.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one sentence.",
+                                max_output_tokens=12, temperature=0)
+    messages = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": QUESTION}]
+    assert r.object == "response" and r.id.startswith("resp_") and r.instructions == "Answer in one sentence."
+    assert r.output_text == chat_text(client, messages) and "Paris" in r.output_text
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.usage.input_tokens == prompt_len(real_server, messages) and 1 <= r.usage.output_tokens <= 12
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_message_list_input_and_max_output_tokens(client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a long story."}]
+    r = client.responses.create(model=MODEL, input=messages, max_output_tokens=5, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5 and r.output_text == chat_text(client, messages, max_tokens=5)
+    parts = client.responses.create(model=MODEL, temperature=0, max_output_tokens=5, input=[
+        {"role": "developer", "content": [{"type": "input_text", "text": "You are terse."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]}])
+    assert parts.output_text == r.output_text  # developer is the system role; content parts join to the same text
+
+
+def test_top_p_and_temperature_reach_the_sampler(client):
+    greedy = client.responses.create(model=MODEL, input="Write a word:", max_output_tokens=8, temperature=0)
+    narrow = client.responses.create(model=MODEL, input="Write a word:", max_output_tokens=8, temperature=1.5,
+                                     top_p=1e-6)
+    assert narrow.output_text == greedy.output_text and narrow.top_p == 1e-6 and narrow.temperature == 1.5
+    hot = {client.responses.create(model=MODEL, input="Write a word:", max_output_tokens=8, temperature=2.0).output_text
+           for _ in range(3)}
+    assert hot != {greedy.output_text}
+
+
+def test_streaming_events_assemble_the_response(client):
+    want = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0)
+    events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0,
+                                          stream=True))
+    types = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
+    text = "".join(e.delta for e in deltas)
+    assert text == events[-4].text == events[-1].response.output_text == want.output_text
+    assert events[-1].response.usage.output_tokens == want.usage.output_tokens
+
+
+def test_stream_helper_final_response(client):
+    with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=4, temperature=0) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.output_text == "".join(deltas) and final.status == "incomplete"
+    assert final.usage.output_tokens == 4
+
+
+def test_store_false_keeps_nothing(client, real_server):
+    kept = stored(real_server)
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=3)
+    assert r.store is False and stored(real_server) == kept
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="And?", previous_response_id=r.id, max_output_tokens=3)
+
+
+def test_store_true_retrieve_continue_delete(client, real_server):
+    first = client.responses.create(model=MODEL, input="My name is Bob.", max_output_tokens=8, temperature=0,
+                                    store=True)
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text and got.store is True
+    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=10, temperature=0)
+    conversation = [{"role": "user", "content": "My name is Bob."},
+                    {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "What is my name?"}]
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == prompt_len(real_server, conversation)
+    assert second.output_text == chat_text(client, conversation, max_tokens=10)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
