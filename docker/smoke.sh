@@ -113,7 +113,9 @@ timing "docker build (CPU image)" $(( $(now) - t ))
 t=$(now)
 log "docker run $IMAGE on 127.0.0.1:$PORT"
 # shellcheck disable=SC2086
-"${DOCKER[@]}" run -d --name "$NAME" --network host -e "PAGEDSERVE_PORT=$PORT" \
+# --init: the server is not PID 1, so a signal that kills it (a segfault) ends the container, and
+# --restart on-failure starts it again: how a deployment recovers from a native crash (docs/reliability.md).
+"${DOCKER[@]}" run -d --name "$NAME" --network host -e "PAGEDSERVE_PORT=$PORT" --init --restart on-failure:3 \
     -v "$NAME-cache:/home/app/.cache/pagedserve" \
     --ulimit nofile=1024:20000 --ulimit nproc=4096:4096 \
     "$IMAGE" ${SMOKE_SERVE_ARGS:---kv-cache-space 1 --swap-space 1} >/dev/null
@@ -156,4 +158,28 @@ done
 log "docker HEALTHCHECK status: $status"
 [ "$status" = healthy ] || { log "HEALTHCHECK not healthy"; exit 1; }
 "${DOCKER[@]}" exec "$NAME" id -u | sed 's/^/container uid: /' | tee -a "$TIMINGS"
+
+# ------------------------------------------------------------------ a native crash
+# SIGSEGV to the server, as a faulting kernel would raise: the process dies, the container exits 139, the
+# restart policy starts a new one, and the same volume serves again.
+t=$(now)
+log "SIGSEGV to the server process"
+"${DOCKER[@]}" exec "$NAME" python -c 'import os, signal
+me = os.getpid()
+for p in filter(str.isdigit, os.listdir("/proc")):
+    cmd = open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")
+    if int(p) != me and any(c.endswith(b"pagedserve") for c in cmd) and b"serve" in cmd:
+        os.kill(int(p), signal.SIGSEGV); print("killed", p, b" ".join(cmd).decode())'
+restarted=""
+for _ in $(seq 300); do
+    count=$("${DOCKER[@]}" inspect -f '{{.RestartCount}}' "$NAME" 2>/dev/null || echo 0)
+    if [ "$count" -ge 1 ] && curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then restarted=1; break; fi
+    sleep 1
+done
+[ -n "$restarted" ] || { "${DOCKER[@]}" logs --tail 40 "$NAME" 2>&1; log "no restart after the crash"; exit 1; }
+timing "segfault to /health 200 again (restart policy)" $(( $(now) - t ))
+code=$(curl -sS -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/v1/completions" \
+    -H 'Content-Type: application/json' -d "{\"model\": \"$model\", \"prompt\": \"Hi\", \"max_tokens\": 4}")
+log "after the restart: HTTP $code, restarts $("${DOCKER[@]}" inspect -f '{{.RestartCount}}' "$NAME")"
+[ "$code" = 200 ] || { log "completion after the restart FAILED"; exit 1; }
 log "PASSED; timings in $TIMINGS"
