@@ -208,4 +208,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");
+#ifdef PAGEDSERVE_CUDA
+  m.def("paged_attention_workspace_bytes", &pagedserve::cuda::paged_attention_workspace_bytes,
+        "bytes of scratch CUDA paged_attention allocates for (num_seqs, num_heads, head_size, max_context_len, "
+        "sliding_window): 0 means the single-pass kernel, > 0 the partitioned (v2) kernel and its reduce");
+#endif
 }

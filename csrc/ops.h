@@ -165,6 +165,12 @@ void rotary_embedding(
     at::Tensor& x,                     // [num_tokens, num_heads, head_size], head vectors contiguous
     const at::Tensor& cos_sin_cache);  // [max_position, head_size] float32: cos halves | sin halves
 
+// Bytes of float32 scratch paged_attention allocates for this batch shape: 0
+// when it runs the single-pass kernel, > 0 when it runs the partitioned (v2)
+// kernel and its reduce. max_context_len: block table width times block_size.
+int64_t paged_attention_workspace_bytes(int64_t num_seqs, int64_t num_heads, int64_t head_size,
+                                        int64_t max_context_len, int64_t sliding_window);
+
 }  // namespace cuda
 #endif
 

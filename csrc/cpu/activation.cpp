@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "../checks.h"
 #include "../ops.h"
 #include "simd.h"
 #include "vec_utils.h"
@@ -43,12 +44,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& input) {
 }  // namespace
 
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
-  TORCH_CHECK(input.device().is_cpu() && input.dim() == 2 && input.stride(1) == 1 && out.dim() == 2 &&
-                  out.stride(1) == 1,
-              "silu_and_mul: CPU [num_tokens, 2 * d] input and [num_tokens, d] out with contiguous rows");
-  TORCH_CHECK(input.size(1) == 2 * out.size(1) && input.size(0) == out.size(0) &&
-                  input.scalar_type() == out.scalar_type(),
-              "silu_and_mul: out must be [num_tokens, d] of the input's dtype");
+  checks::silu_and_mul(out, input, at::kCPU);
   switch (input.scalar_type()) {
     case at::kFloat: return silu_and_mul_impl<float>(out, input);
     case at::kBFloat16: return silu_and_mul_impl<c10::BFloat16>(out, input);

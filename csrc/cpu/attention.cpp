@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "../checks.h"
 #include "../ops.h"
 #include "attention_item.h"
 #include "parallel.h"
@@ -175,25 +176,10 @@ void paged_attention(
     const at::Tensor& context_lens,  // [num_seqs] int32
     double scale,
     int64_t sliding_window) {
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "out/query must be [num_seqs, num_heads, head_size]");
-  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: the whole context)");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
-              "key/value cache must be [num_blocks, num_kv_heads, block_size, head_size]");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && out.is_contiguous(),
-              "out and the caches must be contiguous");
-  TORCH_CHECK(query.stride(2) == 1, "query head vectors must be contiguous");
+  checks::paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, sliding_window);
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "out, query and caches must share one dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              "block_tables and context_lens must be int32");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_blocks = key_cache.size(0), num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_size, "cache head_size ", key_cache.size(3), " != query head_size ", head_size);
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads ", num_heads,
-              " is not a multiple of num_kv_heads ", num_kv_heads);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs, "block_tables must be [num_seqs, max_blocks]");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == num_seqs, "context_lens must be [num_seqs]");
   const auto tables = block_tables.contiguous();
   const auto lens = context_lens.contiguous();
   const int32_t* table_ptr = tables.data_ptr<int32_t>();

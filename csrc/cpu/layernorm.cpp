@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "../checks.h"
 #include "../ops.h"
 #include "vec_utils.h"
 
@@ -67,19 +68,10 @@ void fused_add_rms_norm_impl(at::Tensor& input, at::Tensor& residual, const at::
   }
 }
 
-void check_rows(const at::Tensor& t, const at::Tensor& weight, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
-              " must be a CPU [num_tokens, hidden] tensor with contiguous rows");
-  TORCH_CHECK(t.size(1) == weight.numel() && t.scalar_type() == weight.scalar_type(), name,
-              ": hidden size or dtype differs from the weight");
-}
-
 }  // namespace
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps) {
-  check_rows(input, weight, "rms_norm input");
-  check_rows(out, weight, "rms_norm out");
-  TORCH_CHECK(weight.is_contiguous() && out.size(0) == input.size(0), "rms_norm: bad weight or out shape");
+  checks::rms_norm(out, input, weight, at::kCPU);
   switch (input.scalar_type()) {
     case at::kFloat: return rms_norm_impl<float>(out, input, weight, static_cast<float>(eps));
     case at::kBFloat16: return rms_norm_impl<c10::BFloat16>(out, input, weight, static_cast<float>(eps));
@@ -88,9 +80,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 }
 
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  check_rows(input, weight, "fused_add_rms_norm input");
-  check_rows(residual, weight, "fused_add_rms_norm residual");
-  TORCH_CHECK(weight.is_contiguous() && residual.size(0) == input.size(0), "fused_add_rms_norm: bad shapes");
+  checks::fused_add_rms_norm(input, residual, weight, at::kCPU);
   switch (input.scalar_type()) {
     case at::kFloat: return fused_add_rms_norm_impl<float>(input, residual, weight, static_cast<float>(eps));
     case at::kBFloat16:

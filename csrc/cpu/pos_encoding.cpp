@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "../checks.h"
 #include "../ops.h"
 #include "vec_utils.h"
 
@@ -48,13 +49,7 @@ void rotary_impl(const at::Tensor& positions, at::Tensor& x, const at::Tensor& c
 }  // namespace
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& x, const at::Tensor& cos_sin_cache) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "rotary_embedding: x must be a CPU [num_tokens, num_heads, head_size] view, head vectors contiguous");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
-              "rotary_embedding: positions must be [num_tokens] int64");
-  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
-                  cos_sin_cache.stride(1) == 1 && cos_sin_cache.size(1) == x.size(2),
-              "rotary_embedding: cos_sin_cache must be [max_position, head_size] float32");
+  checks::rotary_embedding(positions, x, cos_sin_cache, at::kCPU);
   switch (x.scalar_type()) {
     case at::kFloat: return rotary_impl<float>(positions, x, cos_sin_cache);
     case at::kBFloat16: return rotary_impl<c10::BFloat16>(positions, x, cos_sin_cache);
