@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 
 from reliability_harness import leaked_blocks, metric, record, serve, wait_engine_idle
 from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol_responses import ResponsesRequest
 
 SECONDS = float(os.environ.get("PAGEDSERVE_FUZZ_SECONDS", "0"))
-EXAMPLES = {"completions": 120, "chat": 80, "tokenize": 30, "detokenize": 30}  # the default (short) run
+EXAMPLES = {"completions": 110, "chat": 70, "responses": 40, "tokenize": 30, "detokenize": 20}  # the default run
 VOCAB = 49152  # the tiny model's tokenizer (the default model's)
 
 # -- values ---------------------------------------------------------------------------------------------------
@@ -53,9 +54,9 @@ junk = st.one_of(st.none(), st.booleans(), extreme_int, extreme_float, odd_text,
 
 
 class F:
-    """One field: values inside its valid shape, and the extremes of its type."""
+    """One field: values inside its valid shape (None: drawn only as an extreme), and the extremes of its type."""
 
-    def __init__(self, valid: st.SearchStrategy, extreme: st.SearchStrategy = junk) -> None:
+    def __init__(self, valid: st.SearchStrategy | None, extreme: st.SearchStrategy = junk) -> None:
         self.valid, self.extreme = valid, extreme
 
 
@@ -108,22 +109,51 @@ COMMON: dict[str, F] = {
     "user": F(st.text(max_size=10), odd_text),
     "max_tokens": F(st.integers(1, 6), extreme_int),
     "priority": F(st.integers(-10, 10), extreme_int),
+    "spaces_between_special_tokens": F(st.booleans()),
+    "truncate_prompt_tokens": F(st.one_of(st.just(-1), st.integers(1, 8)), extreme_int),
+    "prompt_logprobs": F(st.none(), extreme_int),
+    "allowed_token_ids": F(st.one_of(st.none(), st.lists(token, min_size=1, max_size=5)),
+                           st.lists(extreme_int, max_size=3)),
+    "bad_words": F(st.one_of(st.none(), st.lists(st.text(min_size=1, max_size=6), max_size=3)),
+                   st.lists(odd_text, max_size=3)),
+    "return_tokens_as_token_ids": F(st.booleans()),
+    "request_id": F(st.none(), st.one_of(odd_text, st.text(min_size=200, max_size=400))),
+    "add_special_tokens": F(st.booleans()),
 }
+TEMPLATE = {
+    "continue_final_message": F(st.just(False)),
+    "chat_template_kwargs": F(st.one_of(st.none(), st.just({})),
+                              st.dictionaries(odd_text, st.one_of(odd_text, extreme_int, extreme_float, deep), max_size=3)),
+    "documents": F(st.none(), st.lists(st.dictionaries(odd_text, odd_text, max_size=2), max_size=3)),
+}
+response_input = F(st.one_of(st.text(min_size=1, max_size=30), st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system"]), "content": st.one_of(
+        st.text(min_size=1, max_size=20),
+        st.lists(st.fixed_dictionaries({"type": st.just("input_text"), "text": st.text(max_size=10)}), min_size=1,
+                 max_size=2))}), min_size=1, max_size=3).map(lambda m: m[:-1] + [{**m[-1], "role": "user"}])),
+    st.one_of(odd_text, long_list, deep, st.lists(odd_message, min_size=1, max_size=2)))
 PER_ENDPOINT = {
     "completions": (CompletionRequest, "/v1/completions", {
         **COMMON, "prompt": prompt, "echo": F(st.booleans()), "logprobs": F(st.integers(0, 5), extreme_int),
         "suffix": F(st.none(), odd_text)}),
     "chat": (ChatCompletionRequest, "/v1/chat/completions", {
-        **COMMON, "messages": messages, "max_completion_tokens": F(st.integers(1, 6), extreme_int),
+        **COMMON, **TEMPLATE, "messages": messages, "echo": F(st.booleans()), "max_completion_tokens": F(st.integers(1, 6), extreme_int),
         "logprobs": F(st.booleans()), "top_logprobs": F(st.none(), extreme_int),
         "add_generation_prompt": F(st.booleans())}),
+    "responses": (ResponsesRequest, "/v1/responses", {
+        "model": COMMON["model"], "input": response_input, "instructions": F(st.none(), odd_text),
+        "max_output_tokens": F(st.integers(1, 6), extreme_int), "temperature": COMMON["temperature"],
+        "top_p": COMMON["top_p"], "stream": F(st.booleans()), "store": F(st.booleans()),
+        "previous_response_id": F(st.none(), odd_text), "user": COMMON["user"], "priority": COMMON["priority"],
+        "metadata": F(st.none(), st.dictionaries(odd_text, odd_text, max_size=20))}),
     "tokenize": (TokenizeRequest, "/tokenize", {
-        "model": COMMON["model"], "prompt": F(st.text(max_size=30), odd_text), "messages": messages,
+        **TEMPLATE, "model": COMMON["model"], "prompt": F(st.text(max_size=30), odd_text), "messages": messages,
         "add_special_tokens": F(st.booleans()), "add_generation_prompt": F(st.booleans())}),
     "detokenize": (DetokenizeRequest, "/detokenize", {
         "model": COMMON["model"], "tokens": F(st.lists(token, max_size=20), st.lists(extreme_int, max_size=4))}),
 }
-REQUIRED = {"completions": ("prompt",), "chat": ("messages",), "tokenize": ("prompt",), "detokenize": ("tokens",)}
+REQUIRED = {"completions": ("prompt",), "chat": ("messages",), "responses": ("input",), "tokenize": ("prompt",),
+            "detokenize": ("tokens",)}
 
 
 @st.composite
@@ -131,8 +161,9 @@ def bodies(draw: Any, endpoint: str) -> dict[str, Any]:
     """A body valid in shape with varied values, then none to a few fields (any field of the model, one added
     since included) set to an extreme of its type or to another type, now and then a required field dropped."""
     model, _, fields = PER_ENDPOINT[endpoint]
-    fields = {**{name: F(junk) for name in model.model_fields}, **fields}
-    optional = {name: f.valid for name, f in fields.items() if name not in REQUIRED[endpoint] and name in model.model_fields}
+    fields = {**{name: F(None) for name in model.model_fields}, **fields}
+    optional = {name: f.valid for name, f in fields.items()
+                if name not in REQUIRED[endpoint] and name in model.model_fields and f.valid is not None}
     body = draw(st.fixed_dictionaries({name: fields[name].valid for name in REQUIRED[endpoint]}, optional=optional))
     for _ in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2, 4]))):
         name = draw(st.sampled_from(sorted(fields)))
@@ -167,7 +198,7 @@ def encode(body: dict[str, Any]) -> bytes:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with serve(tiny_llama_dir, max_model_len=64, max_num_seqs=16, num_gpu_blocks_override=128) as s:
+    with serve(tiny_llama_dir, max_model_len=128, max_num_seqs=16, num_gpu_blocks_override=256) as s:
         yield s
 
 
