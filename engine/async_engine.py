@@ -13,14 +13,16 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from engine.faults import StepError
 from engine.memory import find_malloc_trim
+from engine.config import EngineConfig
 from engine.metrics import Metrics, StatLogger
+from engine.protocol import EngineCore, EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# glibc keeps the pages of freed tensors of ever-new sizes in its arenas (~70 MiB after minutes of serving);
-# malloc_trim hands them back. A few ms in the step thread, between steps, every this many seconds.
+# glibc keeps the pages of freed tensors of ever-new sizes in its arenas (docs/reliability.md); malloc_trim
+# hands them back. A few ms in the step thread, between steps, every this many seconds.
 TRIM_INTERVAL_S = 10.0
 # A fault in two steps in a row resets the engine; more than MAX_RESETS resets within RESET_WINDOW_S means the
 # fault outlives a reset (the model, the device): the engine stops and /health stays 503 for the supervisor.
@@ -80,7 +82,7 @@ class AsyncLLMEngine:
     """Async front of an LLMEngine: requests and aborts go through a queue to one loop task."""
 
     def __init__(
-        self, engine: Any, *, log_stats: bool = True, stats_interval_s: float = 5.0, step_thread_nice: int = 5
+        self, engine: EngineCore, *, log_stats: bool = True, stats_interval_s: float = 5.0, step_thread_nice: int = 5
     ) -> None:
         self.engine = engine  # only the loop task (and its executor thread) touches it
         self.metrics = Metrics(engine.config.model_name)
@@ -101,6 +103,7 @@ class AsyncLLMEngine:
         self._adding: set[str] = set()  # requests queued to the loop, not yet in the engine
         # Called (on the loop) when the engine stops for good; the CLI ends the process so a supervisor restarts it.
         self.on_dead: Optional[Callable[[], None]] = None
+        self._parked = False  # the loop waits for work: the engine holds no request and no step runs
         self._accepting = True
         self._cut_handle: Optional[asyncio.TimerHandle] = None  # ends what is left at the shutdown deadline
         self._malloc_trim = find_malloc_trim()
@@ -108,14 +111,14 @@ class AsyncLLMEngine:
         self.num_cut_at_shutdown = 0
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLMEngine":
         from engine.llm_engine import LLMEngine
 
         return cls(LLMEngine(config), **kwargs)
 
     # -- read-only views (safe from the event loop: no engine state is touched) --
     @property
-    def config(self) -> Any:
+    def config(self) -> EngineConfig:
         return self.engine.config
 
     @property
@@ -155,7 +158,7 @@ class AsyncLLMEngine:
             return "The engine is resetting after a fault; retry shortly."
         return "The engine is not ready."
 
-    def get_stats(self) -> Any:
+    def get_stats(self) -> EngineStats:
         """The EngineStats after the latest step (a snapshot; the engine itself is not read here)."""
         return self._stats
 
@@ -202,9 +205,10 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         while self._streams and self.is_running:
             await asyncio.sleep(0.05)  # the cut at the deadline empties _streams
-        # The aborts reach the engine once the step in progress returns; then no block is held.
+        # The aborts reach the engine once the step in progress returns; then no block is held. Only the loop
+        # reads the engine (a step may be running in the executor thread): wait for it to park, idle.
         deadline = loop.time() + 10.0
-        while self.is_running and (self.engine.has_unfinished_requests() or not self._queue.empty()):
+        while self.is_running and not (self._parked and self._queue.empty()):
             if loop.time() > deadline:
                 break
             await asyncio.sleep(0.05)
@@ -219,7 +223,7 @@ class AsyncLLMEngine:
         self._fail_all(EngineDeadError("server is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._dead is None:
-            stats = self.engine.get_stats()
+            stats = self._stats  # the loop's latest snapshot: a cancelled step may still be running
             logger.info("engine stopped: %d request(s) ended at the shutdown timeout, %d left in the engine, "
                         "KV cache usage %.1f%%", self.num_cut_at_shutdown,
                         stats.num_running + stats.num_waiting + stats.num_swapped, 100 * stats.device_cache_usage)
@@ -301,7 +305,10 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests() and self._queue.empty():
                     await self._refresh_stats()
                     await loop.run_in_executor(self._executor, self._maybe_trim)
-                    self._apply(await self._queue.get())  # idle: sleep until a request or abort arrives
+                    self._parked = True  # idle: sleep until a request or abort arrives
+                    op = await self._queue.get()
+                    self._parked = False
+                    self._apply(op)
                 while not self._queue.empty():
                     self._apply(self._queue.get_nowait())
                 if not self.engine.has_unfinished_requests():
@@ -321,7 +328,7 @@ class AsyncLLMEngine:
             if self.on_dead is not None:
                 self.on_dead()
 
-    def _step(self) -> tuple[list[RequestOutput], Any, Optional[_Fault]]:
+    def _step(self) -> tuple[list[RequestOutput], EngineStats, Optional[_Fault]]:
         """Runs in the executor thread: the only place the engine computes. A step that raised has ended its
         requests; when the block invariants no longer hold or the previous step raised too, reset the engine."""
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 
@@ -17,31 +16,13 @@ from engine.loader import load_model, model_max_len
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.prompt_logprobs import add_prompt_logprobs
+from engine.protocol import EngineStats
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for /metrics and the periodic log line."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    device_cache_usage: float
-    cpu_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_device_blocks: int
-    num_cpu_blocks: int
-    block_size: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
 
 
 class LLMEngine:

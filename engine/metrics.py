@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from engine.protocol import EngineStats
 from engine.sequence import RequestOutput
 
 logger = logging.getLogger("pagedserve.stats")
@@ -21,7 +22,7 @@ _SUCCESS_REASONS = ("stop", "length")
 
 
 class Metrics:
-    """The metric set of API_REFERENCE.md in one CollectorRegistry (one per engine/app, never global)."""
+    """vLLM's metric set, `pagedserve:` prefixed, in one CollectorRegistry (one per engine/app, never global)."""
 
     def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
         self.model_name = model_name
@@ -71,7 +72,7 @@ class Metrics:
         # The engine's counters are cumulative; Prometheus counters only grow by increments.
         self._last_counters = {"preemptions": 0, "prompt": 0, "generation": 0, "recompute": 0, "swap": 0}
 
-    def set_cache_config(self, stats: Any) -> None:
+    def set_cache_config(self, stats: EngineStats) -> None:
         self.cache_config.info(
             {
                 "model_name": self.model_name,
@@ -81,7 +82,7 @@ class Metrics:
             }
         )
 
-    def record_stats(self, stats: Any) -> None:
+    def record_stats(self, stats: EngineStats) -> None:
         """Gauges and counters from an EngineStats snapshot."""
         m = self.model_name
         self.num_requests_running.labels(m).set(stats.num_running)
@@ -143,7 +144,7 @@ class StatLogger:
         self._last_prompt = 0
         self._last_generation = 0
 
-    def maybe_log(self, stats: Any, now: Optional[float] = None) -> Optional[str]:
+    def maybe_log(self, stats: EngineStats, now: Optional[float] = None) -> Optional[str]:
         now = time.monotonic() if now is None else now
         elapsed = now - self._last_time
         if elapsed < self.interval_s:

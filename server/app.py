@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.protocol import EngineClient
 from server import __version__
 from server.errors import error_response, install_error_handlers
 from server.limits import integer_bounds
@@ -75,14 +76,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def create_app(
-    engine: Any,
+    engine: EngineClient,
     *,
     api_key: Optional[str] = None,
     served_model_name: Optional[str] = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     shutdown_timeout_s: float = 10.0,
 ) -> FastAPI:
-    """The OpenAI-compatible app serving `engine` (an AsyncLLMEngine)."""
+    """The OpenAI-compatible app serving `engine` (an AsyncLLMEngine, or anything else that is an EngineClient)."""
     ctx = ServerContext(
         engine=engine,
         model_name=served_model_name or engine.config.model_name,

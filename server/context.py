@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel
 
+from engine.protocol import EngineClient
 from server.protocol import unknown_fields
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class ResponseStore:
 class ServerContext:
     """The engine and the served model's facts, built once by create_app and read by the handlers."""
 
-    engine: Any  # AsyncLLMEngine
+    engine: EngineClient
     model_name: str
     max_model_len: int
     vocab_size: int

@@ -1,0 +1,98 @@
+"""The interfaces between the engine's layers, as Protocols, and the stats snapshot that crosses them.
+
+EngineCore is what AsyncLLMEngine drives (LLMEngine): only the async front's loop task and its step thread
+call it, one call at a time. EngineClient is what the server needs of the async front (AsyncLLMEngine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Optional, Protocol, Union, runtime_checkable
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestOutput, SequenceGroup
+
+if TYPE_CHECKING:
+    from engine.metrics import Metrics
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics and the periodic log line."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    device_cache_usage: float
+    cpu_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_device_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@runtime_checkable
+class EngineCore(Protocol):
+    """The synchronous engine: requests in, step() until they finish."""
+
+    config: EngineConfig
+    tokenizer: Any  # a transformers tokenizer
+    hf_config: Any  # a transformers PretrainedConfig
+
+    def add_request(self, request_id: str, prompt: Optional[str] = None,
+                    prompt_token_ids: Optional[list[int]] = None, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None, priority: int = 0) -> None: ...
+
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> list[SequenceGroup]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def get_stats(self) -> EngineStats: ...
+
+    def request_ids(self) -> set[str]: ...
+
+    def block_problems(self) -> list[str]: ...
+
+    def reset(self) -> list[str]: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The engine as the server sees it: submit, stream, abort, health, stats, shutdown."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def unavailable_reason(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def generate(self, request_id: str, prompt: Optional[str] = None, prompt_token_ids: Optional[list[int]] = None,
+                 params: Optional[SamplingParams] = None, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: Union[str, list[str]]) -> None: ...
+
+    def get_stats(self) -> EngineStats: ...
+
+    def begin_shutdown(self, timeout_s: float) -> None: ...
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None: ...

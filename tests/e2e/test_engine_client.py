@@ -1,0 +1,97 @@
+"""The engine's layers: LLMEngine is an EngineCore and AsyncLLMEngine an EngineClient (engine/protocol.py);
+AsyncLLMEngine.shutdown reads no engine state while a step runs in the executor thread."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import inspect
+
+from engine.async_engine import AsyncLLMEngine
+from engine.protocol import EngineClient, EngineCore
+from engine.sampling_params import SamplingParams
+
+
+def _signatures_match(protocol, obj) -> list[str]:
+    """Members whose parameters differ from the protocol's (isinstance checks only that they exist)."""
+    out = []
+    for name, member in vars(protocol).items():
+        if callable(member) and not name.startswith("_"):
+            want = list(inspect.signature(member).parameters)
+            have = ["self"] + list(inspect.signature(getattr(obj, name)).parameters)
+            if want != have:
+                out.append(f"{name}: {have} != {want}")
+    return out
+
+
+def test_the_engines_are_what_the_layers_above_expect(make_llm):
+    engine = make_llm("tiny").engine
+    front = AsyncLLMEngine(engine, log_stats=False)
+    assert isinstance(engine, EngineCore) and isinstance(front, EngineClient)
+    assert _signatures_match(EngineCore, engine) == [] and _signatures_match(EngineClient, front) == []
+
+
+class ExclusiveEngine:
+    """The real LLMEngine, recording every call that reaches it while one of its steps is running."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self._stepping = threading.Event()
+        self.overlapping_calls: list[str] = []
+
+    def step(self):
+        self._stepping.set()
+        try:
+            return self._engine.step()
+        finally:
+            self._stepping.clear()
+
+    def __getattr__(self, name):
+        attr = getattr(self._engine, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if self._stepping.is_set():
+                self.overlapping_calls.append(name)
+            return attr(*args, **kwargs)
+        return call
+
+
+def test_shutdown_waits_for_the_loop_instead_of_reading_the_engine_mid_step(make_llm):
+    engine = make_llm("tiny", max_num_seqs=3).engine
+    # Once shutdown begins, steps are slow: nearly all the time is spent inside one, so a read of the engine
+    # from the event loop would overlap it.
+    shutting_down = threading.Event()
+    engine.fault_injector = (lambda stage, request_ids:
+                             time.sleep(0.2 if shutting_down.is_set() else 0.005) if stage == "sampler" else None)
+    checked = ExclusiveEngine(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def scenario():
+        front = AsyncLLMEngine(checked, log_stats=False)
+        outputs = []
+
+        async def consume(request_id):
+            try:
+                async for out in front.generate(request_id, prompt_token_ids=[1, 2, 3], params=params):
+                    outputs.append(out)
+            except Exception as exc:  # the shutdown cut ends it
+                outputs.append(exc)
+
+        readers = [asyncio.create_task(consume(f"r{i}")) for i in range(2)]
+        while len(outputs) < 4:
+            await asyncio.sleep(0.01)
+        shutting_down.set()
+        await front.shutdown(timeout_s=0.3)
+        await asyncio.gather(*readers)
+        return outputs
+
+    try:
+        outputs = asyncio.run(scenario())
+    finally:
+        engine.fault_injector = None
+    assert any(isinstance(o, Exception) for o in outputs)  # the deadline cut the requests mid-generation
+    assert checked.overlapping_calls == []
+    assert not engine.has_unfinished_requests()  # the aborts reached the engine before the loop stopped
