@@ -25,7 +25,7 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 # A CPU decode batch is split across the cores when each shard gets at least this many sequences:
 # each core runs the whole model on its shard, one OpenMP thread each (see ModelRunner._split_decode).
 SPLIT_MIN_ROWS = 8
-# At most this many shards: each one reads every weight, and only 2 cores were there to measure the trade.
+# At most this many shards: each one reads every weight; more is untested (docs/benchmarks.md measured 2).
 SPLIT_MAX_SHARDS = 2
 _SPLIT_ENV = "PAGEDSERVE_SPLIT_DECODE"  # 0: one forward per step, as on CUDA (A/B comparisons)
 

@@ -176,7 +176,7 @@ class Scheduler:
             status = self.block_manager.can_allocate(group)
             error = self._never_admissible(group, seqs, status)
             if error is not None:
-                self._ignore(group, out, error)
+                self._end_with_error(group, out, error)
                 continue
             num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # before prefix-cache hits
             group_seqs = group.get_max_num_running_seqs()
@@ -267,7 +267,7 @@ class Scheduler:
             status = bm.can_swap_in(group)
             if status is AllocStatus.NEVER:
                 needed = len(group.get_seqs(SequenceStatus.SWAPPED))
-                self._ignore(group, out, f"The request was swapped out and its {needed} sequences no longer fit in the "
+                self._end_with_error(group, out, f"The request was swapped out and its {needed} sequences no longer fit in the "
                              f"KV cache ({bm.num_device_blocks} blocks) to resume. Give the KV cache more memory "
                              "(--gpu-memory-utilization, --kv-cache-space) or ask for fewer sequences (n, best_of).",
                              queue=self.swapped, status=SequenceStatus.FINISHED_ERROR)
@@ -354,8 +354,8 @@ class Scheduler:
         self.swapped.appendleft(group)
         out.num_preempted_swap += 1
 
-    def _ignore(self, group: SequenceGroup, out: SchedulerOutput, error: str,
-                queue: deque | None = None, status: SequenceStatus | None = None) -> None:
+    def _end_with_error(self, group: SequenceGroup, out: SchedulerOutput, error: str,
+                        queue: deque | None = None, status: SequenceStatus | None = None) -> None:
         """End the group at the head of `queue` (default: waiting) with an error the client will read."""
         (self.waiting if queue is None else queue).popleft()
         if status is None:

@@ -2,48 +2,24 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STAT_FIELDS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from soak import start_server  # noqa: E402  (the one CLI-server start the tests share)
 
 
 @pytest.fixture(scope="module")
 def server_url():
     """`python -m server.cli serve` with the default model and a small cache, on a free port."""
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--max-model-len", "256",
-           "--kv-cache-space", "0.05", "--swap-space", "0.05", "--disable-log-stats", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180  # a cold start builds the CPU kernels
+    proc, url = start_server(["--max-model-len", "256", "--kv-cache-space", "0.05", "--swap-space", "0.05",
+                              "--disable-log-stats", "--log-level", "warning"], timeout_s=180)
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy in 180 s")
-            time.sleep(0.3)
         yield url
     finally:
         proc.terminate()
