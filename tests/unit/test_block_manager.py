@@ -496,3 +496,40 @@ def test_window_with_prefix_caching_keeps_released_blocks_findable():
     for group in (first, second):
         bm.free(group.seqs[0])
     assert bm.get_num_free_device_blocks() == 12
+
+
+def test_window_released_parent_is_never_taken_for_block_zero():
+    """A released table entry holds RELEASED_BLOCK, a real block id (0). A block registered after its parent
+    was released (here: re-registered after a swap-in) must not chain to whatever block 0 holds: with a hash
+    that collides (the block's own tokens only), a prompt starting with block 0's tokens would get its K/V."""
+    token_bytes = BS * 8
+    bm = BlockSpaceManager(BS, 32, 16, watermark=0.0, enable_prefix_caching=True, sliding_window=BS,
+                           block_hash_fn=lambda data: data[-token_bytes:])
+    owner = make_group("owner", [7, 7, 7, 7, 0], 0)  # its first block is block 0, cached
+    bm.allocate(owner)
+    run(owner)
+    computed(bm, owner)
+    assert bm.get_block_table(owner.seqs[0])[0] == RELEASED_BLOCK and bm.gpu.is_cached(RELEASED_BLOCK)
+    windowed = make_group("windowed", [1, 2, 3], 1)
+    bm.allocate(windowed)
+    run(windowed)
+    computed(bm, windowed)
+    for token in range(100, 110):
+        decode_one(bm, windowed, token)
+    seq = windowed.seqs[0]
+    released = bm.num_released(seq.seq_id)
+    assert released >= 1
+    bm.swap_out(windowed)
+    seq.status = SequenceStatus.SWAPPED
+    filler = make_group("filler", [200] * (BS * bm.get_num_free_device_blocks()), 3)
+    bm.allocate(filler)  # takes every free block: the evictor's cached copies of windowed's blocks go
+    bm.free(filler.seqs[0])
+    bm.swap_in(windowed)
+    run(windowed)
+    computed(bm, windowed)  # re-registers its held full blocks; the first one's parent was released
+    first_held = bm.get_block_table(seq)[released]
+    probe = make_group("probe", [7, 7, 7, 7] + seq.all_token_ids[released * BS:(released + 1) * BS] + [0], 2)
+    bm.allocate(probe)
+    table = bm.get_block_table(probe.seqs[0])
+    assert table[0] == RELEASED_BLOCK  # the honest hit on the owner's block
+    assert table[1] != first_held and probe.seqs[0].num_computed_tokens == BS
