@@ -1,0 +1,99 @@
+"""EleutherAI's lm-eval against the server, on tiny local tasks (a jsonl and a task yaml written here, no download).
+
+local-completions scores loglikelihoods through echo + logprobs: they must equal HF transformers' on the same
+weights. local-chat-completions generates: its answers must equal the server's own greedy chat answers.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from compat_helpers import MODEL, client_env, venv_bin
+
+MC_DOCS = [{"question": "The capital of France is", "choices": ["Paris", "Berlin"], "answer": 0},
+           {"question": "Two plus two equals", "choices": ["four", "five apples"], "answer": 0}]
+GEN_DOCS = [{"question": "What is the capital of France?", "answer": "Paris"},
+            {"question": "Name a color.", "answer": "blue"}]
+GEN_TOKENS = 8
+
+MC_TASK = """task: pagedserve_mc
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list: [{{metric: acc}}]
+"""
+GEN_TASK = """task: pagedserve_gen
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs: {{until: ["\\n\\n"], max_gen_toks: {tokens}, do_sample: false, temperature: 0.0}}
+metric_list: [{{metric: exact_match}}]
+"""
+
+
+def _task(folder: Path, name: str, template: str, docs: list[dict], **fields) -> None:
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / f"{name}.yaml").write_text(template.format(data=data, **fields))
+
+
+def _lm_eval(tmp_path: Path, model: str, model_args: str, task: str, *extra: str) -> list[dict]:
+    out = tmp_path / "out"
+    run = subprocess.run([venv_bin("lm_eval"), "--model", model, "--model_args", model_args, "--tasks", task,
+                          "--include_path", str(tmp_path), "--output_path", str(out), "--log_samples", *extra],
+                         cwd=tmp_path, env=client_env(), capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    samples = next(out.rglob(f"samples_{task}_*.jsonl"))
+    return [json.loads(line) for line in samples.read_text().splitlines()]
+
+
+@torch.no_grad()
+def _hf_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:
+    """lm-eval's encoding of a (context, continuation) pair, scored by HF: sum of the continuation's logprobs."""
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+    logprobs = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), dim=-1)
+    return sum(logprobs[i - 1, whole[i]].item() for i in range(len(context_ids), len(whole)))
+
+
+def test_local_completions_loglikelihoods_equal_hf(compat_server, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _task(tmp_path, "pagedserve_mc", MC_TASK, MC_DOCS)
+    args = (f"model={MODEL},base_url={compat_server.base_url}/v1/completions,tokenizer={compat_server.model_dir},"
+            "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1")
+    samples = _lm_eval(tmp_path, "local-completions", args, "pagedserve_mc")
+    hf = AutoModelForCausalLM.from_pretrained(str(compat_server.model_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(compat_server.model_dir))
+    scored = 0
+    for sample in sorted(samples, key=lambda s: s["doc_id"]):
+        for args_i, resp in zip(sample["arguments"].values(), sample["resps"]):
+            context, continuation = args_i["arg_0"], args_i["arg_1"]
+            ours = float(resp[0][0])
+            assert ours == pytest.approx(_hf_loglikelihood(hf, tokenizer, context, continuation), abs=1e-3)
+            scored += 1
+    assert scored == sum(len(d["choices"]) for d in MC_DOCS)
+
+
+def test_local_chat_completions_generate_the_server_answers(compat_server, tmp_path):
+    _task(tmp_path, "pagedserve_gen", GEN_TASK, GEN_DOCS, tokens=GEN_TOKENS)
+    args = f"model={MODEL},base_url={compat_server.base_url}/v1/chat/completions,num_concurrent=2,max_retries=1"
+    samples = _lm_eval(tmp_path, "local-chat-completions", args, "pagedserve_gen", "--apply_chat_template")
+    client = openai.OpenAI(base_url=compat_server.base_url + "/v1", api_key="unused")
+    for sample in samples:
+        question = GEN_DOCS[sample["doc_id"]]["question"]
+        want = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                              max_tokens=GEN_TOKENS, temperature=0, stop=["\n\n"])
+        assert sample["resps"][0][0] == want.choices[0].message.content
+    assert sorted(s["doc_id"] for s in samples) == [0, 1]
