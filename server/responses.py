@@ -131,7 +131,7 @@ async def _events(ctx: ServerContext, job: Job, body: ResponsesRequest,
         err = streaming.engine_error(exc)
         payload = {"type": "error", "sequence_number": next(seq), "code": str(err.status), "message": err.message,
                    "param": err.param}
-        yield {"event": "error", "data": json.dumps(payload, ensure_ascii=False)}
+        yield {"event": "error", "data": streaming.sse_json(json.dumps(payload, ensure_ascii=False))}
         return
     response = response_object(job, body, [], final)
     message = _message(item_id, text, "incomplete" if response.status == "incomplete" else "completed")
@@ -148,4 +148,4 @@ async def _events(ctx: ServerContext, job: Job, body: ResponsesRequest,
 
 
 def _event(event: Any) -> dict[str, str]:
-    return {"event": event.type, "data": event.model_dump_json()}
+    return {"event": event.type, "data": streaming.sse_json(event.model_dump_json())}

@@ -150,7 +150,7 @@ async def _events(engine: Any, job: Job) -> AsyncIterator[dict[str, str]]:
             yield data(_envelope(job, [], formatting.usage(job, finals)))
     except Exception as exc:  # after the 200 went out, errors travel as an event
         err = engine_error(exc)
-        yield {"data": json.dumps(error_body(err.message, err.status, err.param), ensure_ascii=False)}
+        yield {"data": sse_json(json.dumps(error_body(err.message, err.status, err.param), ensure_ascii=False))}
     yield {"data": DONE}
 
 
@@ -206,4 +206,14 @@ def _envelope(job: Job, choices: list, usage: Optional[UsageInfo] = None
 
 def data(payload: BaseModel) -> dict[str, str]:
     """One SSE event of a response model (None fields kept: OpenAI's chunks carry `"logprobs": null`)."""
-    return {"data": payload.model_dump_json()}
+    return {"data": sse_json(payload.model_dump_json())}
+
+
+# JSON leaves U+0085, U+2028 and U+2029 raw, and str.splitlines() (httpx's aiter_lines, many SSE readers)
+# breaks lines at them: escaped, every `data:` line stays one JSON document for such clients too.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(text: str) -> str:
+    """A JSON document safe as one SSE `data:` line for every line splitter."""
+    return text.translate(_LINE_BREAKS)

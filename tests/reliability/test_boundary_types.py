@@ -145,3 +145,16 @@ def test_lone_surrogate_in_a_streamed_prompt_is_a_400_before_the_stream(server):
     r = _post(server, C, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert json.loads(r.text)["error"]["type"] == "BadRequestError"
+
+
+def test_stream_lines_survive_unicode_line_separators(server):
+    """U+2028, U+2029 and U+0085 in streamed text (here echoed from the prompt) stay inside their `data:` line for
+    readers that split with str.splitlines() (httpx's aiter_lines among them)."""
+    prompt = "a\u2028b\u2029c\x85d"
+    body = _c(prompt=prompt, echo=True, stream=True)
+    with httpx.stream("POST", server.base_url + C, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[5:]) for line in lines[:-1]]  # each line one whole JSON document
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).startswith(prompt)

@@ -208,7 +208,9 @@ def _send(client: httpx.Client, path: str, body: dict[str, Any]) -> tuple[int, l
         raw = r.read().decode()
     if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/event-stream"):
         return r.status_code, []
-    events = [json.loads(line[5:]) for line in raw.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    # SSE lines end at \n (or \r\n); str.splitlines() would also cut at U+2028 or U+0085 inside generated text.
+    lines = [line.rstrip("\r") for line in raw.split("\n")]
+    events = [json.loads(line[5:]) for line in lines if line.startswith("data:") and "[DONE]" not in line]
     return r.status_code, [e["error"] for e in events if "error" in e]
 
 
