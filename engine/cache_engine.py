@@ -25,7 +25,8 @@ GiB = 1 << 30
 KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, num_kv_heads, block_size, head_size] each
 
 
-def _kv_shape(hf_config) -> tuple[int, int, int]:
+def kv_shape(hf_config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of the model's KV cache."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -34,7 +35,7 @@ def _kv_shape(hf_config) -> tuple[int, int, int]:
 
 def cache_block_bytes(block_size: int, hf_config, dtype: torch.dtype) -> int:
     """Bytes of one block over all layers, keys and values."""
-    layers, kv_heads, head_size = _kv_shape(hf_config)
+    layers, kv_heads, head_size = kv_shape(hf_config)
     return 2 * layers * kv_heads * block_size * head_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -47,7 +48,7 @@ class CacheEngine:
     ) -> None:
         self.block_size, self.num_device_blocks, self.num_cpu_blocks = block_size, num_device_blocks, num_cpu_blocks
         self.device, self.dtype = torch.device(device), dtype
-        layers, kv_heads, head_size = _kv_shape(hf_config)
+        layers, kv_heads, head_size = kv_shape(hf_config)
         self.num_layers = layers
         self.block_shape = (kv_heads, block_size, head_size)
         # torch.empty: the attention only reads slots it wrote, so zeroing gigabytes would be wasted time.

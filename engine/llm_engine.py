@@ -9,10 +9,10 @@ from typing import Iterable, Optional, Union
 
 
 from engine import ops
-from engine.cache_engine import CacheEngine, determine_num_blocks
+from engine.cache_engine import CacheEngine, determine_num_blocks, kv_shape
 from engine.config import EngineConfig
 from engine.faults import STAGES, FaultInjector, StepError, block_problems
-from engine.loader import load_model, model_max_len
+from engine.loader import load_model, model_max_len, resolve_device
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.prompt_logprobs import add_prompt_logprobs
@@ -30,14 +30,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Build/load the kernels before the weights: a CUDA engine without its compiled kernels refuses to
+        # start (ops_loader.require_backend), and loading imports torch.utils.cpp_extension (setuptools,
+        # ~0.3 s holding the GIL), which in the first step would stall a server's event loop.
+        ops.require_backend(resolve_device(config))
         loaded = load_model(config)
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.device, self.dtype = loaded.device, loaded.dtype
+        _, kv_heads, head_size = kv_shape(self.hf_config)
+        ops.check_attention_geometry(self.device, self.hf_config.num_attention_heads, kv_heads, head_size)
         config.resolve(model_max_len(self.hf_config))
         self.model_runner = ModelRunner(config, self.model, self.device)
-        # Build/load the kernels now: loading imports torch.utils.cpp_extension (setuptools, ~0.3 s
-        # holding the GIL), which in the first step would stall a server's event loop.
-        ops.backend()
         num_device_blocks, num_cpu_blocks = determine_num_blocks(
             config, self.hf_config, self.dtype, self.device, profile=self.model_runner.profile_run
         )

@@ -11,7 +11,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from engine.ops_loader import OpsBackend, backend, load as _load  # noqa: F401
+from engine.ops_loader import (CUDA_HEAD_SIZES, BackendUnavailable, OpsBackend, backend, check_attention_geometry,  # noqa: F401
+                               load as _load, require_backend)
 from engine.ref_ops import (BlockMapping, _as_mapping, ref_argmax_logsumexp, ref_copy_blocks, ref_fused_add_rms_norm,
                             ref_paged_attention, ref_prefill_attention, ref_reshape_and_cache, ref_rms_norm,
                             ref_rotary_embedding, ref_silu_and_mul, ref_swap_blocks)

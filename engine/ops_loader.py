@@ -4,7 +4,8 @@ The C++/CUDA sources in csrc/ are JIT-built with torch.utils.cpp_extension on fi
 use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir). Where CUDA is
 visible the build also holds the CUDA kernels. If the build fails (no compiler, say)
 the backend is the pure-torch reference, with a warning; PAGEDSERVE_OPS_BACKEND=torch
-forces it.
+forces it. An engine on a CUDA device refuses to start without the compiled CUDA
+kernels (require_backend): the reference is a Python loop per sequence, far too slow to serve.
 """
 from __future__ import annotations
 
@@ -39,9 +40,19 @@ class OpsBackend(str, enum.Enum):
 
 
 
+# Head sizes the CUDA paged-attention kernel is instantiated for (csrc/cuda/attention_kernels.cu).
+CUDA_HEAD_SIZES = (64, 80, 96, 128, 256)
+
+
+class BackendUnavailable(ValueError):
+    """The device needs compiled ops that did not load (the message names the cause and the fix); a ValueError,
+    so `pagedserve serve` reports it as a configuration that cannot work, without a traceback."""
+
+
 _lock = threading.Lock()
 _module = None
 _backend: Optional[OpsBackend] = None
+_cuda_missing: Optional[str] = None  # why the CUDA kernels are not in the loaded backend
 
 
 def find_csrc() -> Optional[Path]:
@@ -71,12 +82,18 @@ def _cpu_isa_flags() -> tuple[str, list[str]]:
     return "avx512", avx512
 
 
-def _want_cuda() -> bool:
-    if not torch.cuda.is_available() or torch.version.cuda is None:
-        return False
+def _cuda_build_blocker() -> Optional[str]:
+    """None when the CUDA kernels should be built, else why not (in words a user can act on)."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
     from torch.utils.cpp_extension import CUDA_HOME
 
-    return CUDA_HOME is not None and Path(CUDA_HOME, "bin", "nvcc").exists()
+    if CUDA_HOME is None or not Path(CUDA_HOME, "bin", "nvcc").exists():
+        return (f"nvcc was not found (CUDA_HOME={CUDA_HOME}); install the CUDA toolkit of torch's CUDA "
+                f"{torch.version.cuda} and put nvcc on PATH or set CUDA_HOME")
+    return None
 
 
 def _build(csrc: Path, with_cuda: bool):
@@ -118,35 +135,40 @@ def _build(csrc: Path, with_cuda: bool):
 
 def load():
     """Builds (once) and returns the compiled module, or None for the torch reference."""
-    global _module, _backend
+    global _module, _backend, _cuda_missing
     with _lock:
         if _backend is not None:
             return _module
-        if os.environ.get("PAGEDSERVE_OPS_BACKEND", "").lower() == "torch":
-            _backend = OpsBackend.TORCH_REFERENCE
-            return None
-        csrc = find_csrc()
-        if csrc is None:
-            logger.warning("pagedserve: csrc/ not found next to the engine package; using the "
-                           "pure-torch reference ops (slow)")
-            _backend = OpsBackend.TORCH_REFERENCE
-            return None
-        if shutil.which(os.environ.get("CXX", "c++")) is None:
-            logger.warning("pagedserve: no C++ compiler found; using the pure-torch reference ops (slow)")
-            _backend = OpsBackend.TORCH_REFERENCE
-            return None
-        attempts = [True, False] if _want_cuda() else [False]
-        for with_cuda in attempts:
-            try:
-                _module = _build(csrc, with_cuda)
-                _backend = OpsBackend.COMPILED_CUDA if with_cuda else OpsBackend.COMPILED_CPU
-                return _module
-            except Exception as exc:  # a failed build must not take the engine down
-                logger.warning("pagedserve: building the %s kernels failed (%s: %s)",
-                               "CUDA" if with_cuda else "CPU", type(exc).__name__, str(exc)[-2000:])
-        logger.warning("pagedserve: using the pure-torch reference ops (slow)")
-        _backend = OpsBackend.TORCH_REFERENCE
-        return None
+        _module, _backend, _cuda_missing = _load_locked()
+        return _module
+
+
+def _load_locked():
+    """(module, backend, why the CUDA kernels are missing or None)."""
+    if os.environ.get("PAGEDSERVE_OPS_BACKEND", "").lower() == "torch":
+        return None, OpsBackend.TORCH_REFERENCE, "PAGEDSERVE_OPS_BACKEND=torch forces the reference ops (unset it)"
+    csrc = find_csrc()
+    if csrc is None:
+        logger.warning("pagedserve: csrc/ not found next to the engine package; using the "
+                       "pure-torch reference ops (slow)")
+        return None, OpsBackend.TORCH_REFERENCE, "csrc/ was not found next to the engine package (reinstall pagedserve)"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning("pagedserve: no C++ compiler found; using the pure-torch reference ops (slow)")
+        return None, OpsBackend.TORCH_REFERENCE, "no C++ compiler was found (install g++ or set CXX)"
+    cuda_missing = _cuda_build_blocker()
+    for with_cuda in ([True, False] if cuda_missing is None else [False]):
+        try:
+            module = _build(csrc, with_cuda)
+            return module, OpsBackend.COMPILED_CUDA if with_cuda else OpsBackend.COMPILED_CPU, cuda_missing
+        except Exception as exc:  # a failed build must not take the engine down
+            detail = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+            logger.warning("pagedserve: building the %s kernels failed (%s)", "CUDA" if with_cuda else "CPU", detail)
+            if with_cuda:
+                cuda_missing = (f"building the CUDA kernels failed ({detail.strip()[-600:]}); rebuild with "
+                                "PAGEDSERVE_VERBOSE_BUILD=1 to see the compiler's output (nvcc and torch must "
+                                "share one CUDA major version)")
+    logger.warning("pagedserve: using the pure-torch reference ops (slow)")
+    return None, OpsBackend.TORCH_REFERENCE, cuda_missing or "building the CPU kernels failed"
 
 
 def backend() -> OpsBackend:
@@ -154,3 +176,27 @@ def backend() -> OpsBackend:
     load()
     assert _backend is not None
     return _backend
+
+
+def require_backend(device: torch.device | str) -> OpsBackend:
+    """The backend an engine on `device` runs, logged; BackendUnavailable on a CUDA device without the compiled
+    CUDA kernels (which a CPU engine does not need: there the reference is only slow)."""
+    got = backend()
+    device = torch.device(device)
+    logger.info("pagedserve ops backend: %s (device %s)", got.value, device)
+    if device.type == "cuda" and got is not OpsBackend.COMPILED_CUDA:
+        raise BackendUnavailable(
+            f"device=cuda needs pagedserve's compiled CUDA kernels, but the ops backend is {got.value}: "
+            f"{_cuda_missing}. Fix that and restart, or run on the CPU with --device cpu."
+        )
+    return got
+
+
+def check_attention_geometry(device: torch.device | str, num_heads: int, num_kv_heads: int, head_size: int) -> None:
+    """ValueError, at startup, for a model the paged-attention kernels of `device` cannot run."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"The model has {num_heads} attention heads and {num_kv_heads} key/value heads: "
+                         "the heads must be a whole multiple of the key/value heads.")
+    if torch.device(device).type == "cuda" and head_size not in CUDA_HEAD_SIZES:
+        raise ValueError(f"The model's head size is {head_size}; the CUDA paged attention supports head sizes "
+                         f"{', '.join(map(str, CUDA_HEAD_SIZES))}. Run it with --device cpu.")

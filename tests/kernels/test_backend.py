@@ -1,0 +1,83 @@
+"""Which ops backend an engine gets: a CUDA engine refuses to start without the compiled CUDA kernels.
+
+The loader's decision and refusal run for real; what this CPU machine cannot have is simulated inside
+them: a visible GPU with nvcc, or a CUDA build that fails. The CPU build is the one this session already
+made (compiled_ops), handed back instead of rebuilt.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import ops_loader
+from engine.ops_loader import BackendUnavailable, OpsBackend
+
+
+CUDA_MISMATCH = ("The detected CUDA version (12.8) mismatches the version that was used to compile PyTorch (13.0). "
+                 "Please make sure to use the same CUDA versions.")  # what torch's cpp_extension raises
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, compiled_ops):
+    """The loader as in a new process whose CUDA build fails; the session's loaded module comes back afterwards."""
+    session_module = ops_loader.load()
+
+    def build(csrc, with_cuda):
+        if with_cuda:
+            raise RuntimeError(CUDA_MISMATCH)
+        return session_module
+
+    monkeypatch.setattr(ops_loader, "_build", build)
+    monkeypatch.setattr(ops_loader, "_module", None)
+    monkeypatch.setattr(ops_loader, "_backend", None)
+    monkeypatch.setattr(ops_loader, "_cuda_missing", None)
+    monkeypatch.delenv("PAGEDSERVE_OPS_BACKEND", raising=False)
+    return monkeypatch
+
+
+def test_cuda_refuses_when_the_cuda_build_fails(fresh_loader, caplog):
+    fresh_loader.setattr(ops_loader, "_cuda_build_blocker", lambda: None)  # as on a GPU machine with nvcc
+    with pytest.raises(BackendUnavailable, match=r"(?s)backend is compiled-cpu: building the CUDA kernels failed "
+                                                 r".*CUDA version \(12\.8\) mismatches.*--device cpu"):
+        ops_loader.require_backend("cuda")
+    # The CPU kernels still loaded, and a CPU engine starts on them, saying so.
+    with caplog.at_level(logging.INFO, logger="pagedserve.ops"):
+        assert ops_loader.require_backend("cpu") is OpsBackend.COMPILED_CPU
+    assert "pagedserve ops backend: compiled-cpu (device cpu)" in caplog.text
+
+
+def test_cuda_refuses_without_nvcc(fresh_loader, tmp_path):
+    # A CUDA torch that sees a GPU, and a CUDA_HOME without nvcc: the real decision function decides.
+    fresh_loader.setattr(torch.cuda, "is_available", lambda: True)
+    fresh_loader.setattr(torch.version, "cuda", "13.0")
+    import torch.utils.cpp_extension as cpp_extension
+
+    fresh_loader.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    with pytest.raises(BackendUnavailable, match=r"nvcc was not found \(CUDA_HOME=.*\); install the CUDA toolkit"):
+        ops_loader.require_backend(torch.device("cuda", 0))
+
+
+def test_cuda_refuses_the_forced_reference(fresh_loader):
+    fresh_loader.setenv("PAGEDSERVE_OPS_BACKEND", "torch")
+    with pytest.raises(BackendUnavailable, match="torch-reference: PAGEDSERVE_OPS_BACKEND=torch forces"):
+        ops_loader.require_backend("cuda")
+    assert ops_loader.require_backend("cpu") is OpsBackend.TORCH_REFERENCE  # slow, but a CPU engine may use it
+
+
+def test_this_machine_says_why_it_has_no_cuda_kernels(fresh_loader):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(BackendUnavailable, match="torch sees no CUDA GPU|is a CPU-only build"):
+        ops_loader.require_backend("cuda")
+
+
+def test_startup_rejects_attention_shapes_the_kernels_cannot_run():
+    ops_loader.check_attention_geometry("cpu", 4, 2, 16)  # the CPU kernel takes any head size
+    ops_loader.check_attention_geometry("cuda", 32, 8, 128)
+    with pytest.raises(ValueError, match="head size is 16; the CUDA paged attention supports head sizes 64, 80"):
+        ops_loader.check_attention_geometry("cuda", 4, 2, 16)
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match="6 attention heads and 4 key/value heads"):
+            ops_loader.check_attention_geometry(device, 6, 4, 64)
