@@ -11,6 +11,8 @@ Use (the engine, once per process):
 from __future__ import annotations
 
 import logging
+import math
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -61,12 +63,20 @@ class CacheEngine:
         self._swaps_done = torch.cuda.Event() if self._swap_stream is not None else None
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
-        shape = (num_blocks, *self.block_shape)
-        return [
-            (torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin),
-             torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin))
-            for _ in range(self.num_layers)
-        ]
+        """Every layer's keys and values as views of one allocation [layers, 2, num_blocks, *block_shape].
+
+        pin: the host pool is page-locked by one cudaHostRegister of exactly its bytes (torch's pinned
+        allocator would round each tensor up to a power of two: up to 2x --swap-space), and unregistered
+        when this engine goes."""
+        pool = torch.empty((self.num_layers, 2, num_blocks, *self.block_shape), dtype=self.dtype, device=device)
+        if pin and pool.numel():
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 0)
+            if err != cudart.cudaError.success:
+                raise RuntimeError(f"cudaHostRegister of the {pool.nbytes / GiB:.2f} GiB swap pool failed ({err}): "
+                                   "lower --swap-space")
+            weakref.finalize(self, cudart.cudaHostUnregister, pool.data_ptr())
+        return [(pool[layer, 0], pool[layer, 1]) for layer in range(self.num_layers)]
 
     @staticmethod
     def _mapping(pairs) -> torch.Tensor:  # [num_pairs, 2] int64, on the CPU as engine.ops wants it
@@ -121,7 +131,8 @@ def determine_num_blocks(
     """(num_device_blocks, num_cpu_blocks) for the config; ValueError naming the flag if max_model_len cannot fit.
 
     Device blocks: num_gpu_blocks_override, else on CPU kv_cache_space GiB, else on CUDA
-    gpu_memory_utilization of the GPU minus the peak of `profile()` (a max-size forward).
+    gpu_memory_utilization of the GPU minus the peak of `profile()` (a max-size forward) and the
+    step's scratch that forward does not allocate (step_scratch_bytes).
     Host blocks: num_cpu_blocks_override, else swap_space GiB.
     """
     block_bytes = cache_block_bytes(config.block_size, hf_config, dtype)
@@ -130,7 +141,10 @@ def determine_num_blocks(
         num_gpu = config.num_gpu_blocks_override
     elif torch.device(device).type == "cuda":
         flag = "--gpu-memory-utilization"
-        num_gpu = _profile_cuda_blocks(config, block_bytes, device, profile)
+        scratch = step_scratch_bytes(config, hf_config)
+        logger.info("step scratch beyond the profiled forward: %s",
+                    ", ".join(f"{name} {n / 2**20:.0f} MiB" for name, n in scratch.items()))
+        num_gpu = _profile_cuda_blocks(config, block_bytes, device, profile, sum(scratch.values()))
     else:
         flag = "--kv-cache-space"
         num_gpu = int(config.kv_cache_space * GiB) // block_bytes
@@ -152,7 +166,32 @@ def determine_num_blocks(
     return num_gpu, num_cpu
 
 
-def _profile_cuda_blocks(config: EngineConfig, block_bytes: int, device, profile) -> int:
+# The CUDA paged kernel's partition (csrc/cuda/launchers.h kPartitionSize): its v2 workspace holds, per
+# sequence, head and partition, head_size + 2 floats.
+_CUDA_PARTITION = 512
+
+
+def step_scratch_bytes(config: EngineConfig, hf_config) -> dict[str, int]:
+    """Device bytes a step can allocate at its largest that the profiled forward (logits of each
+    sequence's last token, prefill attention) does not, by owner:
+
+    - prompt_logprobs: float32 logits of every token of a step and their log-softmax;
+    - paged_attention_v2: the partitioned decode kernel's workspace for max_num_seqs sequences at max_model_len;
+    - sampler: per sequence, float32 logits, probabilities, log-probabilities and one sorted copy (top-p/top-k).
+    """
+    tokens = config.max_num_batched_tokens or 2048  # as ModelRunner.profile_run
+    seqs = config.max_num_seqs
+    vocab = int(hf_config.vocab_size)
+    _, _, head_size = kv_shape(hf_config)
+    partitions = math.ceil((config.max_model_len or hf_config.max_position_embeddings) / _CUDA_PARTITION)
+    return {
+        "prompt_logprobs": 2 * tokens * vocab * 4,
+        "paged_attention_v2": seqs * hf_config.num_attention_heads * partitions * (head_size + 2) * 4,
+        "sampler": 4 * seqs * vocab * 4,
+    }
+
+
+def _profile_cuda_blocks(config: EngineConfig, block_bytes: int, device, profile, scratch: int) -> int:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     if profile is not None:
@@ -162,4 +201,4 @@ def _profile_cuda_blocks(config: EngineConfig, block_bytes: int, device, profile
     # What this process holds at its peak plus what others hold now; the rest, up to the fraction, is cache.
     peak = torch.cuda.max_memory_allocated(device) + (total - free - torch.cuda.memory_reserved(device))
     torch.cuda.empty_cache()
-    return int(total * config.gpu_memory_utilization - peak) // block_bytes
+    return int(total * config.gpu_memory_utilization - peak - scratch) // block_bytes

@@ -1,11 +1,13 @@
 """The cache engine moves KV bytes exactly, and sizes the cache or refuses with the flag to change."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from tiny_models import tiny_llama_config
-from engine.cache_engine import CacheEngine, cache_block_bytes, determine_num_blocks
+from engine.cache_engine import CacheEngine, cache_block_bytes, determine_num_blocks, step_scratch_bytes
 from engine.config import EngineConfig
 from engine.scheduler import SchedulerOutput
 
@@ -110,3 +112,41 @@ def test_one_block_swapped_out_and_in_in_one_step_is_fenced_both_ways(device):
     for (k1, v3), (host_k, host_v) in zip(seen, engine.cpu_cache):
         assert bool((host_k[0] == 1).all() and (host_v[0] == 1).all())  # left after the write, before the reuse
         assert bool((k1 == 2).all() and (v3 == 2).all())  # swapped in (then copied) before the read
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swap_pool_costs_what_swap_space_says(device):
+    """The host pool is one allocation of exactly num_cpu_blocks blocks (pinned on CUDA by registering those
+    bytes): torch's pinned allocator would round every layer's tensor up to a power of two."""
+    num_cpu = 37  # blocks of 8 KiB: no power of two
+    engine = CacheEngine(8, HF_CONFIG, 4, num_cpu, torch.device(device), torch.float32)
+    storages = {t.untyped_storage().data_ptr() for kv in engine.cpu_cache for t in kv}
+    assert len(storages) == 1
+    pool = engine.cpu_cache[0][0].untyped_storage()
+    assert pool.nbytes() == num_cpu * cache_block_bytes(8, HF_CONFIG, torch.float32)
+    assert all(t.is_contiguous() and t.shape == (num_cpu, 2, 8, 16) for kv in engine.cpu_cache for t in kv)
+    assert all(t.is_pinned() for kv in engine.cpu_cache for t in kv) == (device == "cuda")
+    if device == "cuda":  # the registration goes with the engine
+        ptr = engine.cpu_cache[0][0].data_ptr()
+        del engine
+        gc.collect()
+        cudart = torch.cuda.cudart()
+        assert cudart.cudaHostUnregister(ptr) != cudart.cudaError.success  # already unregistered
+
+def test_cuda_memory_plan_reserves_the_step_scratch_the_profile_misses():
+    """A full step of prompt-logprobs tokens, the v2 attention workspace at max_model_len and the sampler's
+    vocab-wide rows are kept out of the KV cache (the profiled forward computes only last-token logits)."""
+    config = EngineConfig(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=1024)
+    scratch = step_scratch_bytes(config, HF_CONFIG)
+    vocab = HF_CONFIG.vocab_size
+    assert scratch["prompt_logprobs"] >= 1024 * vocab * 4  # float32 logits of every token of a step
+    assert scratch["sampler"] >= 64 * vocab * 4
+    assert scratch["paged_attention_v2"] == 64 * 4 * (4096 // 512) * (16 + 2) * 4
+    if torch.cuda.is_available():  # the kernel's own sizing, for a head size it runs
+        from engine import ops
+        cfg64 = tiny_llama_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64)
+        want = ops._load().paged_attention_workspace_bytes(64, 4, 64, 4096, 0)
+        assert step_scratch_bytes(config, cfg64)["paged_attention_v2"] == want > 0
+    bigger = step_scratch_bytes(EngineConfig(max_model_len=4096, max_num_seqs=128, max_num_batched_tokens=2048),
+                                HF_CONFIG)
+    assert all(bigger[k] > scratch[k] for k in scratch)
