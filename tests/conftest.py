@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import save_random_model, tiny_llama_config
+from tiny_models import save_random_model, tiny_llama_config, tiny_llama_hd64_config
 
 # Never reach a model hub from the tests.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -27,3 +27,10 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
     """A tiny random Llama (GQA, 2 layers, hidden 64) with the default model's tokenizer, as an HF folder."""
     folder = tmp_path_factory.mktemp("tiny-llama")
     return save_random_model(tiny_llama_config(), folder, default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hd64_dir(tmp_path_factory, default_model_dir) -> Path:
+    """The tiny random Llama with head_dim 64 (the engine-level CUDA tests' model), as an HF folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama-hd64")
+    return save_random_model(tiny_llama_hd64_config(), folder, default_model_dir)

@@ -39,6 +39,11 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**fields)
 
 
+def tiny_llama_hd64_config(**overrides):
+    """The tiny Llama with head_dim 64, a head size the CUDA paged kernel runs (GQA 4 query heads, 2 KV heads)."""
+    return tiny_llama_config(**{"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, **overrides})
+
+
 def load_default_tokenizer():
     """The default SmolLM2 tokenizer: the converted cache folder if present, else straight from the GGUF."""
     from transformers import AutoTokenizer

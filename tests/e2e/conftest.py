@@ -19,11 +19,12 @@ _LLMS: dict[tuple, object] = {}
 
 
 @pytest.fixture(scope="session")
-def make_llm(default_model_dir, tiny_llama_dir):
-    """make_llm("smol" | "tiny", **config) -> one LLM per distinct config, reused by every test of the session."""
+def make_llm(default_model_dir, tiny_llama_dir, tiny_llama_hd64_dir):
+    """make_llm("smol" | "tiny" | "tiny64", **config) -> one LLM per distinct config, reused by every test of
+    the session ("tiny64": head_dim 64, which the CUDA kernels run)."""
     from engine import LLM
 
-    paths = {"smol": str(default_model_dir), "tiny": str(tiny_llama_dir)}
+    paths = {"smol": str(default_model_dir), "tiny": str(tiny_llama_dir), "tiny64": str(tiny_llama_hd64_dir)}
 
     def make(which: str, **overrides):
         kwargs = {**ROOMY, **overrides}
@@ -81,3 +82,8 @@ def hf_smol(default_model_dir):
 @pytest.fixture(scope="session")
 def hf_tiny(tiny_llama_dir):
     return _hf_model(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny64(tiny_llama_hd64_dir):
+    return _hf_model(tiny_llama_hd64_dir)

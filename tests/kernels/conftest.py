@@ -8,7 +8,8 @@ import torch
 
 from engine import ops
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_ONLY)]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -16,6 +17,10 @@ def compiled_ops():
     """Builds the kernels once; a test run that silently used the reference would prove nothing."""
     backend = ops.backend()
     assert backend is not ops.OpsBackend.TORCH_REFERENCE, "compiled ops unavailable (see the build warning)"
+    # Without the CUDA kernels, ops.py runs CUDA tensors through the reference: the CUDA tests would
+    # compare the reference with itself and pass.
+    if torch.cuda.is_available():
+        assert backend is ops.OpsBackend.COMPILED_CUDA, "CUDA is visible but the CUDA kernels did not build"
     return backend
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import ops, ref_ops
-from tests.kernels.conftest import DEVICES, random_block_tables, tolerances, torch_threads
+from tests.kernels.conftest import CUDA_ONLY, DEVICES, random_block_tables, tolerances, torch_threads
 
 CONTEXT_LENS = [1, 17, 100, 33]  # 1 token, crossing block edges, several blocks
 
@@ -58,6 +58,66 @@ def test_long_context_uses_partitions_and_matches(device):
     case = make_case(1, 4, 64, 16, [1500, 3, 700], torch.float32, device, seed=5)
     out, ref = run_both(*case)
     torch.testing.assert_close(out, ref, **tolerances(torch.float32))
+
+
+# Every context length that sits on an edge: one token, around a 16-token block, around the CUDA kernel's
+# 512-token partition, long, past its 8192-token single-pass limit, and empty.
+EDGE_CONTEXTS = [1, 15, 16, 17, 511, 513, 4096, 9000, 0]
+KERNELS = {
+    # v2: 9000 tokens force the partitioned kernel and its reduce; the 1-token and empty sequences leave
+    # all their partitions but the first (or all of them) empty.
+    "v2": (EDGE_CONTEXTS, 1),
+    # single pass over 4096 tokens: enough (sequence, head) blocks to fill the GPU (> 512) keep it single-pass.
+    "single": ([n for n in EDGE_CONTEXTS if n <= 4096], 18),
+}
+CUDA_HEAD_SIZES = [64, 80, 96, 128, 256]
+
+
+def make_device_case(kernel, num_kv_heads, group, head_size, block_size, dtype, device, seed):
+    """make_case drawn on the device (the caches hold ~10k tokens of every head)."""
+    context_lens, _ = KERNELS[kernel]
+    gen = torch.Generator(device).manual_seed(seed)
+    num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    value_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    query = torch.randn(len(context_lens), num_kv_heads * group, head_size, generator=gen, device=device).to(dtype)
+    tables = random_block_tables(context_lens, block_size, num_blocks, torch.Generator().manual_seed(seed))
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    return query, key_cache, value_cache, tables.to(device), lens.to(device)
+
+
+def check_kernel_case(kernel, num_kv_heads, group, head_size, block_size, dtype, device, seed=0):
+    query, key_cache, value_cache, tables, lens = make_device_case(
+        kernel, num_kv_heads, group, head_size, block_size, dtype, device, seed)
+    if device == "cuda":  # the launch picks the kernel this case is for
+        width = tables.shape[1] * block_size
+        workspace = ops._load().paged_attention_workspace_bytes(query.shape[0], query.shape[1], head_size, width, 0)
+        assert (workspace > 0) == (kernel == "v2")
+    out, ref = run_both(query, key_cache, value_cache, tables, lens)
+    empty = lens == 0
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", CUDA_HEAD_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_every_dtype_head_and_block_size_on_both_kernels(kernel, block_size, head_size, dtype):
+    check_kernel_case(kernel, KERNELS[kernel][1] * 4, 1, head_size, block_size, dtype, "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_ratios_over_edge_contexts(device, kernel, group, dtype):
+    if device == "cpu" and (dtype != torch.float32 or group != 4):
+        pytest.skip("the CPU kernel's dtypes and groups are covered above; one CPU run keeps the suite fast")
+    kv_heads = KERNELS[kernel][1] * 8 // group if device == "cuda" else 1
+    check_kernel_case(kernel, kv_heads, group, 64 if device == "cpu" else 128, 16, dtype, device, seed=group)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,71 @@
+"""The engine on CUDA: the head_dim-64 tiny model through the compiled CUDA kernels matches HF, and keeps its
+outputs under preemption by swap and by recompute, prefix caching and beam search.
+
+On a machine without CUDA only the CPU run of the parity test runs: it proves the model itself works."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from e2e_helpers import MAX_MODEL_LEN, MAX_TOKENS, blocks_for, greedy, hf_greedy, seeded_pair, token_ids
+from engine import ops
+from engine.sampling_params import SamplingParams
+from test_beam_search import BEAM_TOKENS, hf_beams
+from test_prefix_caching import PREFIX, QUESTIONS
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def cuda_llm(make_llm):
+    """The tiny64 engine on CUDA, which must run the compiled CUDA kernels (a reference run proves nothing)."""
+    llm = make_llm("tiny64", device="cuda")
+    assert ops.backend() is ops.OpsBackend.COMPILED_CUDA
+    return llm
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_hd64_model_greedy_matches_hf(make_llm, hf_tiny64, prompt_ids, device):
+    prompts = prompt_ids if device == "cuda" else [prompt_ids[0], prompt_ids[-1]]  # CPU: two, to stay cheap
+    llm = make_llm("tiny64", device=device)
+    assert llm.engine.model_runner.device.type == device
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_tiny64, prompt, MAX_TOKENS, eos_token_id=None)
+
+
+@CUDA
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_cuda_outputs_survive_preemption(make_llm, cuda_llm, prompt_ids, mode):
+    reference = [token_ids(cuda_llm.generate(prompt_token_ids=prompt_ids, sampling_params=p, use_tqdm=False))
+                 for p in (greedy(ignore_eos=True), seeded_pair(ignore_eos=True))]
+    llm = make_llm("tiny64", device="cuda", num_gpu_blocks_override=2 * blocks_for(MAX_MODEL_LEN) + 1,
+                   preemption_mode=mode)
+    got = [token_ids(llm.generate(prompt_token_ids=prompt_ids, sampling_params=p, use_tqdm=False))
+           for p in (greedy(ignore_eos=True), seeded_pair(ignore_eos=True))]
+    assert getattr(llm.engine.get_stats(), f"num_preemptions_{mode}") > 0
+    assert got == reference
+
+
+@CUDA
+def test_cuda_prefix_caching_keeps_outputs(make_llm, cuda_llm, smol_tokenizer):
+    prompts = [smol_tokenizer(PREFIX + q).input_ids for q in QUESTIONS]
+    cached = make_llm("tiny64", device="cuda", enable_prefix_caching=True)
+
+    def generate(llm):
+        first = llm.generate(prompt_token_ids=prompts[:1], sampling_params=greedy(ignore_eos=True), use_tqdm=False)
+        rest = llm.generate(prompt_token_ids=prompts[1:], sampling_params=greedy(ignore_eos=True), use_tqdm=False)
+        return token_ids(first + rest)
+
+    assert generate(cached) == generate(cuda_llm)
+    assert cached.engine.get_stats().prefix_cache_hit_rate > 0
+
+
+@CUDA
+def test_cuda_beam_search_matches_hf(cuda_llm, hf_tiny64, prompt_ids):
+    prompts = [prompt_ids[1], prompt_ids[-1]]
+    params = SamplingParams(n=3, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=BEAM_TOKENS,
+                            ignore_eos=True)
+    outputs = cuda_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert [c.token_ids for c in out.outputs] == hf_beams(hf_tiny64, prompt, 3, 1.0, False, None)
