@@ -26,6 +26,7 @@ MAX_CONTENT_PARTS = 256  # parts of one chat message
 MAX_DOCUMENTS = 256  # chat's documents
 MAX_TEMPLATE_KWARGS = 64  # chat_template_kwargs entries
 MAX_REQUEST_ID = 256  # characters of a client's request_id
+MAX_METADATA = 16  # /v1/responses metadata entries (OpenAI's bound)
 
 
 def _utf8(value: str) -> str:
@@ -61,6 +62,7 @@ TokenPrompts = Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
 LogitBias = Annotated[dict[TokenIdKey, Finite], Field(max_length=MAX_LOGIT_BIAS)]
 TemplateKwargs = Annotated[dict[Text, Any], Field(max_length=MAX_TEMPLATE_KWARGS)]
 Documents = Annotated[list[dict[Text, Text]], Field(max_length=MAX_DOCUMENTS)]
+Metadata = Annotated[dict[Text, Text], Field(max_length=MAX_METADATA)]
 
 
 _EXACT = {float(b): b for b in (INT64_MIN, INT64_MAX, -INT32_MAX - 1, INT32_MAX)}

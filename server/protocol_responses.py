@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, Finite, NumTokens, Priority, Text
+from server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, Finite, Metadata, NumTokens, Priority, Text
 from server.protocol import RequestModel
 
 
@@ -45,7 +45,7 @@ class ResponsesRequest(RequestModel):
     previous_response_id). Unlike OpenAI's, the default is false: nothing is kept unless asked."""
     previous_response_id: Optional[Text] = None
     """Continue a stored response: its input and output come before this input."""
-    metadata: Optional[Annotated[dict[Text, Text], Field(max_length=16)]] = None
+    metadata: Optional[Metadata] = None
     user: Optional[Text] = None
     priority: Priority = 0
     """vLLM: with --scheduling-policy priority, lower values are scheduled first."""

@@ -211,7 +211,8 @@ def test_length_penalty_reaches_beam_search(real_server):
 
 
 def test_priority_overtakes_queued_requests(make_tiny_engine):
-    """--scheduling-policy priority over HTTP: an urgent request sent last finishes before the queued ones."""
+    """--scheduling-policy priority over HTTP: an urgent request sent last overtakes the queued ones and preempts
+    the running one (a batch of one)."""
     from server.app import create_app
 
     engine = make_tiny_engine(scheduling_policy="priority", max_num_seqs=1)
@@ -243,3 +244,4 @@ def test_priority_overtakes_queued_requests(make_tiny_engine):
     assert finished.index("urgent") < finished.index("queued-1") and finished.index("urgent") < finished.index(
         "queued-2"), finished
     assert set(finished) == {"running", "queued-1", "queued-2", "urgent"}
+    assert finished.index("urgent") < finished.index("running"), finished  # it preempted the running request
