@@ -238,3 +238,20 @@ def test_prompt_logprobs():
     for i in range(1, 4):
         assert out[i][prompt[i]] == pytest.approx(float(ref[i - 1, prompt[i]]), abs=1e-6)
         assert set(ref[i - 1].topk(2).indices.tolist()) <= set(out[i])
+
+
+def test_bad_words_mask_a_words_last_token_only_after_its_other_tokens():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 11], logits[:, 12], logits[:, 13] = 10.0, 9.0, 8.0
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[10, 11], [12]])
+    groups = [make_group(params, outputs=(10,)), make_group(params, outputs=(5,)), make_group(params)]
+    tokens = [samples[0].token_id for samples in Sampler(EOS)(logits, groups)]
+    # After 10, the word [10, 11] would complete: 11 is masked, and 12 (a one-token word) always is.
+    assert tokens == [13, 11, 11]
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled():
+    logits = rand_logits(64, seed=3)
+    groups = [make_group(SamplingParams(temperature=1.5, seed=i, allowed_token_ids=[3, 4, 40])) for i in range(64)]
+    tokens = {samples[0].token_id for samples in Sampler(EOS)(logits, groups)}
+    assert tokens <= {3, 4, 40} and len(tokens) > 1
