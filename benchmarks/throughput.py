@@ -10,6 +10,7 @@ and writes JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -56,8 +57,8 @@ def run_hf(args, model, prompts, batch_size: int, dtype: str) -> dict:
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i:i + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.output_len,
                                  min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad_id)
@@ -96,14 +97,19 @@ def main() -> None:
     model_dir = args.model or str(default_model_path())
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.input_len, args.seed)
     ours, llm = run_pagedserve(args, prompts)
+    llm_device = llm.engine.device
     results = [ours]
     print(f"pagedserve: {ours['output_tokens_per_s']:.1f} output tokens/s "
           f"({ours['output_tokens']} tokens in {ours['seconds']:.1f} s)")
 
     if not args.skip_hf:
         del llm
+        gc.collect()  # the KV cache goes back before HF's model arrives
+        if llm_device.type == "cuda":
+            torch.cuda.empty_cache()
         for dtype in [d for d in args.hf_dtypes.split(",") if d]:
             hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+            hf_model.to(llm_device)  # HF runs where pagedserve ran
             if args.hf_sequential_prompts:
                 results.append(run_hf(args, hf_model, prompts[:args.hf_sequential_prompts], 1, dtype))
             for bs in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
@@ -120,7 +126,8 @@ def main() -> None:
                   f"({args.dtype}) is {best['pagedserve_ratio']:.2f}x")
 
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__},
+                          "torch": torch.__version__, "device": str(llm_device),
+                          "gpu": torch.cuda.get_device_name(llm_device) if llm_device.type == "cuda" else None},
               "config": vars(args), "results": results}
     Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output_json).write_text(json.dumps(report, indent=2))
