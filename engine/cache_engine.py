@@ -71,10 +71,10 @@ class CacheEngine:
         pool = torch.empty((self.num_layers, 2, num_blocks, *self.block_shape), dtype=self.dtype, device=device)
         if pin and pool.numel():
             cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 0)
-            if err != cudart.cudaError.success:
-                raise RuntimeError(f"cudaHostRegister of the {pool.nbytes / GiB:.2f} GiB swap pool failed ({err}): "
-                                   "lower --swap-space")
+            err = int(cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 1))  # 1: cudaHostRegisterPortable
+            if err != 0:
+                raise RuntimeError(f"cudaHostRegister of the {pool.nbytes / GiB:.2f} GiB swap pool failed "
+                                   f"(cudaError {err}): lower --swap-space")
             weakref.finalize(self, cudart.cudaHostUnregister, pool.data_ptr())
         return [(pool[layer, 0], pool[layer, 1]) for layer in range(self.num_layers)]
 

@@ -11,14 +11,17 @@ from tests.kernels.conftest import CUDA_ONLY, DEVICES, random_block_tables, tole
 CONTEXT_LENS = [1, 17, 100, 33]  # 1 token, crossing block edges, several blocks
 
 
-def make_case(num_kv_heads, group, head_size, block_size, context_lens, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
+def make_case(num_kv_heads, group, head_size, block_size, context_lens, dtype, device, seed, draw_on_device=False):
+    """Random query and paged caches; draw_on_device draws the tensors there (large cases), else on the CPU."""
+    gen = torch.Generator(device if draw_on_device else "cpu").manual_seed(seed)
     num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
     shape = (num_blocks, num_kv_heads, block_size, head_size)
-    key_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
-    value_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
-    query = torch.randn(len(context_lens), num_kv_heads * group, head_size, generator=gen).to(dtype).to(device)
-    tables = random_block_tables(context_lens, block_size, num_blocks, gen).to(device)
+    key_cache = torch.randn(shape, generator=gen, device=gen.device).to(dtype).to(device)
+    value_cache = torch.randn(shape, generator=gen, device=gen.device).to(dtype).to(device)
+    query = torch.randn(len(context_lens), num_kv_heads * group, head_size, generator=gen,
+                        device=gen.device).to(dtype).to(device)
+    tables = random_block_tables(context_lens, block_size, num_blocks, torch.Generator().manual_seed(seed)
+                                 if draw_on_device else gen).to(device)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     return query, key_cache, value_cache, tables, lens
 
@@ -73,23 +76,9 @@ KERNELS = {
 CUDA_HEAD_SIZES = [64, 80, 96, 128, 256]
 
 
-def make_device_case(kernel, num_kv_heads, group, head_size, block_size, dtype, device, seed):
-    """make_case drawn on the device (the caches hold ~10k tokens of every head)."""
-    context_lens, _ = KERNELS[kernel]
-    gen = torch.Generator(device).manual_seed(seed)
-    num_blocks = sum((n + block_size - 1) // block_size for n in context_lens) + 3
-    shape = (num_blocks, num_kv_heads, block_size, head_size)
-    key_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
-    value_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
-    query = torch.randn(len(context_lens), num_kv_heads * group, head_size, generator=gen, device=device).to(dtype)
-    tables = random_block_tables(context_lens, block_size, num_blocks, torch.Generator().manual_seed(seed))
-    lens = torch.tensor(context_lens, dtype=torch.int32)
-    return query, key_cache, value_cache, tables.to(device), lens.to(device)
-
-
 def check_kernel_case(kernel, num_kv_heads, group, head_size, block_size, dtype, device, seed=0):
-    query, key_cache, value_cache, tables, lens = make_device_case(
-        kernel, num_kv_heads, group, head_size, block_size, dtype, device, seed)
+    query, key_cache, value_cache, tables, lens = make_case(
+        num_kv_heads, group, head_size, block_size, KERNELS[kernel][0], dtype, device, seed, draw_on_device=True)
     if device == "cuda":  # the launch picks the kernel this case is for
         width = tables.shape[1] * block_size
         workspace = ops._load().paged_attention_workspace_bytes(query.shape[0], query.shape[1], head_size, width, 0)

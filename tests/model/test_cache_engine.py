@@ -131,7 +131,7 @@ def test_swap_pool_costs_what_swap_space_says(device):
         del engine
         gc.collect()
         cudart = torch.cuda.cudart()
-        assert cudart.cudaHostUnregister(ptr) != cudart.cudaError.success  # already unregistered
+        assert int(cudart.cudaHostUnregister(ptr)) != 0  # already unregistered
 
 def test_cuda_memory_plan_reserves_the_step_scratch_the_profile_misses():
     """A full step of prompt-logprobs tokens, the v2 attention workspace at max_model_len and the sampler's
