@@ -12,7 +12,7 @@ from server import __version__
 from server.errors import error_response, install_error_handlers
 from server.limits import integer_bounds
 from server.context import ServerContext
-from server.routes import build_router
+from server.routes import build_router, stream_chunk_schemas
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context
 
@@ -110,7 +110,8 @@ def create_app(
 
 
 def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
-    """FastAPI documents a 422 on every route; this server answers validation errors with 400."""
+    """FastAPI's schema, less the 422 it documents on every route (this server answers validation errors with
+    400), plus the stream chunk models the SSE events reference."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
@@ -118,8 +119,11 @@ def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
         for methods in schema.get("paths", {}).values():
             for op in methods.values():
                 op.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
+            components.pop(name, None)
+        for name, chunk_schema in stream_chunk_schemas().items():  # what the SSE `data:` lines hold
+            components.setdefault(name, chunk_schema)
         app.openapi_schema = integer_bounds(schema)
     return app.openapi_schema
 

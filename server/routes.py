@@ -5,16 +5,22 @@ from typing import Any, Union
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from server import __version__, formatting, preprocess, responses, streaming
 from server.context import ServerContext
 from server.errors import APIError, error_response
 from server.job import Job
 from server.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, CompletionRequest, CompletionResponse,
+    CompletionStreamResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, VersionResponse,
 )
-from server.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
+from server.protocol_responses import (
+    ContentPartEvent, LifecycleEvent, OutputItemEvent, ResponseDeleted, ResponseObject, ResponsesRequest, TextDeltaEvent,
+    TextDoneEvent,
+)
 
 # Documented on every route that takes a body; the handlers in errors.py produce these shapes.
 ERRORS: dict[Union[int, str], dict[str, Any]] = {
@@ -23,7 +29,30 @@ ERRORS: dict[Union[int, str], dict[str, Any]] = {
                        (413, "Request body too large"),
                        (503, "Engine not ready, dead, shutting down, or out of capacity (retry later)")]
 }
-SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks when stream=true"}}
+# What each route streams when stream=true: every `data:` line is the JSON of one of its chunk models, or of an
+# error body `{"error": {...}}` that ends the stream; completions and chat end with `data: [DONE]`.
+STREAM_CHUNKS: dict[str, list[type[BaseModel]]] = {
+    "/v1/completions": [CompletionStreamResponse],
+    "/v1/chat/completions": [ChatCompletionStreamResponse],
+    "/v1/responses": [LifecycleEvent, OutputItemEvent, ContentPartEvent, TextDeltaEvent, TextDoneEvent],
+}
+
+
+def _sse(path: str) -> dict[Union[int, str], dict[str, Any]]:
+    """The 200 of a route that answers JSON, or SSE events whose `data` is one of its chunk models."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in [*STREAM_CHUNKS[path], ErrorResponse]]
+    data = {"anyOf": [{"type": "string", "contentMediaType": "application/json", "contentSchema": {"oneOf": refs}},
+                      {"const": streaming.DONE}]}
+    event = {"type": "object", "properties": {"data": data, "event": {"type": "string"}}, "required": ["data"]}
+    return {200: {"content": {"text/event-stream": {"schema": event}}, "description": "JSON, or SSE events when stream=true"}}
+
+
+def stream_chunk_schemas() -> dict[str, Any]:
+    """The JSON schemas of every stream chunk model (and the models they use), for the app's components."""
+    models = [m for chunks in STREAM_CHUNKS.values() for m in chunks]
+    _, defs = models_json_schema([(m, "serialization") for m in models], ref_template="#/components/schemas/{model}")
+    return defs.get("$defs", {})
+
 
 def _ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
@@ -120,11 +149,12 @@ def build_router() -> APIRouter:
     """Every route of the API; built per app so no router lives at module level."""
     router = APIRouter()
     router.add_api_route("/v1/completions", create_completion,
-                         methods=["POST"], response_model=CompletionResponse, responses={**SSE, **ERRORS})
+                         methods=["POST"], response_model=CompletionResponse, responses={**_sse("/v1/completions"), **ERRORS})
     router.add_api_route("/v1/chat/completions", create_chat_completion,
-                         methods=["POST"], response_model=ChatCompletionResponse, responses={**SSE, **ERRORS})
+                         methods=["POST"], response_model=ChatCompletionResponse,
+                         responses={**_sse("/v1/chat/completions"), **ERRORS})
     router.add_api_route("/v1/responses", create_response,
-                         methods=["POST"], response_model=ResponseObject, responses={**SSE, **ERRORS})
+                         methods=["POST"], response_model=ResponseObject, responses={**_sse("/v1/responses"), **ERRORS})
     router.add_api_route("/v1/responses/{response_id}", get_response,
                          methods=["GET"], response_model=ResponseObject, responses=ERRORS)
     router.add_api_route("/v1/responses/{response_id}", delete_response,

@@ -21,6 +21,8 @@ def _fields(spec: dict, schema: dict, depth: int = 0) -> Any:
     schema = _resolve(spec, schema)
     if depth > 6:
         return "..."
+    if "contentSchema" in schema:  # an SSE event's `data`: JSON of a documented model
+        return {"json": _fields(spec, schema["contentSchema"], depth + 1)}
     for key in ("anyOf", "oneOf", "allOf"):
         if key in schema:
             return {key: sorted((repr(_fields(spec, s, depth + 1)) for s in schema[key]))}
@@ -75,3 +77,31 @@ def test_openapi_documents_the_api(generated):
     assert "422" not in completion["responses"] and "400" in completion["responses"]
     choice = completion["responses"]["200"]["application/json"]["properties"]["choices"]["array"]
     assert {"index", "text", "logprobs", "finish_reason"} <= set(choice["properties"])
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": ["Hi", "Yo"], "n": 2, "logprobs": 1, "echo": True,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1,
+                              "stream_options": {"include_usage": True}}),
+    ("/v1/responses", {"input": "Hi", "instructions": "Be brief."}),
+])
+def test_stream_chunks_match_their_documented_schemas(tiny_server, path, body):
+    """Every `data:` JSON of a stream validates against the chunk schema openapi.yaml documents for its route."""
+    import httpx
+    import jsonschema_rs
+    from serving_harness import sse_events
+
+    spec = yaml.safe_load((ROOT / "openapi.yaml").read_text())
+    event = spec["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    json_data, done = event["properties"]["data"]["anyOf"]
+    assert done == {"const": "[DONE]"}
+    validator = jsonschema_rs.validator_for({**json_data["contentSchema"], "components": spec["components"]})
+    limit = {"max_output_tokens": 4} if path == "/v1/responses" else {"max_tokens": 4, "ignore_eos": True}
+    with httpx.stream("POST", tiny_server.base_url + path, json={**body, **limit, "stream": True}, timeout=60) as r:
+        chunks = [e for e in sse_events(r.read().decode().splitlines()) if e != "[DONE]"]
+    assert len(chunks) > 3
+    for chunk in chunks:
+        validator.validate(chunk)
+    with pytest.raises(jsonschema_rs.ValidationError):  # the schema is not vacuous
+        validator.validate({**chunks[-1], "id": 5} if "id" in chunks[-1] else {**chunks[-1], "type": "bogus"})
