@@ -44,7 +44,7 @@ fi
 missing="$("$python" - <<'EOF'
 import importlib.util
 need = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "jinja2", "tqdm", "yaml", "psutil",
-        "prometheus_client", "ninja", "pytest", "gguf", "accelerate"]
+        "prometheus_client", "ninja", "pytest", "pytest_timeout", "accelerate"]
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 EOF
 )" || die "$python does not run"
