@@ -130,6 +130,28 @@ def test_broken_block_invariants_reset_at_the_first_fault(server):
     _assert_serving(server)  # the leaked block went with the old block manager
 
 
+def test_request_a_failed_schedule_dropped_gets_a_500_not_a_hang(server):
+    """A scheduler fault after it took a request off the waiting queue (and before it queued it elsewhere): that
+    request's reader is told (500), not left waiting; the invariants hold, so no reset; the rest are served."""
+    engine = server.engine
+    armed = threading.Event()
+
+    def fault(stage: str, request_ids: list[str]) -> None:
+        sch = engine.engine.scheduler
+        if stage == "schedule" and armed.is_set() and sch.waiting:
+            armed.clear()
+            sch.waiting.popleft()  # half a schedule: the group is in no queue now
+            raise RuntimeError("injected fault inside the scheduler")
+
+    engine.engine.fault_injector = fault
+    results = _errors(asyncio.run(_traffic_then_fault(server.base_url, engine, armed)))
+    errors = [r["error"] for r in results if r["error"] is not None]
+    assert len(errors) == 1 and errors[0]["code"] == 500, results
+    assert "(schedule): RuntimeError: injected fault inside the scheduler" in errors[0]["message"]
+    assert _counters(server.base_url) == {"resets": 0, "step_fault": 1, "engine_reset": 0}
+    _assert_serving(server)
+
+
 def test_engine_sampler_overflow_fails_only_its_request(server):
     """Issue #17's seed overflow, reaching the engine past the HTTP validation (the Python API): the sampler
     raises in the poisoned request's step; that step's requests end with a 500, the engine serves on."""
