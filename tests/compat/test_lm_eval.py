@@ -12,6 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+import yaml
 from compat_helpers import MODEL, client_env, venv_bin
 
 MC_DOCS = [{"question": "The capital of France is", "choices": ["Paris", "Berlin"], "answer": 0},
@@ -20,32 +21,14 @@ GEN_DOCS = [{"question": "What is the capital of France?", "answer": "Paris"},
             {"question": "Name a color.", "answer": "blue"}]
 GEN_TOKENS = 8
 
-MC_TASK = """task: pagedserve_mc
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list: [{{metric: acc}}]
-"""
-GEN_TASK = """task: pagedserve_gen
-dataset_path: json
-dataset_kwargs: {{data_files: {{test: {data}}}}}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs: {{until: ["\\n\\n"], max_gen_toks: {tokens}, do_sample: false, temperature: 0.0}}
-metric_list: [{{metric: exact_match}}]
-"""
 
-
-def _task(folder: Path, name: str, template: str, docs: list[dict], **fields) -> None:
+def _task(folder: Path, name: str, docs: list[dict], **fields) -> None:
+    """A task yaml over a local jsonl: lm-eval's `json` dataset builder reads it without a download."""
     data = folder / f"{name}.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (folder / f"{name}.yaml").write_text(template.format(data=data, **fields))
+    task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "doc_to_text": "{{question}}", "doc_to_target": "{{answer}}", **fields}
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
 
 
 def _lm_eval(tmp_path: Path, model: str, model_args: str, task: str, *extra: str) -> list[dict]:
@@ -70,7 +53,8 @@ def _hf_loglikelihood(model, tokenizer, context: str, continuation: str) -> floa
 def test_local_completions_loglikelihoods_equal_hf(compat_server, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _task(tmp_path, "pagedserve_mc", MC_TASK, MC_DOCS)
+    _task(tmp_path, "pagedserve_mc", MC_DOCS, output_type="multiple_choice", doc_to_choice="{{choices}}",
+          metric_list=[{"metric": "acc"}])
     args = (f"model={MODEL},base_url={compat_server.base_url}/v1/completions,tokenizer={compat_server.model_dir},"
             "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1")
     samples = _lm_eval(tmp_path, "local-completions", args, "pagedserve_mc")
@@ -87,7 +71,8 @@ def test_local_completions_loglikelihoods_equal_hf(compat_server, tmp_path):
 
 
 def test_local_chat_completions_generate_the_server_answers(compat_server, tmp_path):
-    _task(tmp_path, "pagedserve_gen", GEN_TASK, GEN_DOCS, tokens=GEN_TOKENS)
+    _task(tmp_path, "pagedserve_gen", GEN_DOCS, output_type="generate_until", metric_list=[{"metric": "exact_match"}],
+          generation_kwargs={"until": ["\n\n"], "max_gen_toks": GEN_TOKENS, "do_sample": False, "temperature": 0.0})
     args = f"model={MODEL},base_url={compat_server.base_url}/v1/chat/completions,num_concurrent=2,max_retries=1"
     samples = _lm_eval(tmp_path, "local-chat-completions", args, "pagedserve_gen", "--apply_chat_template")
     client = openai.OpenAI(base_url=compat_server.base_url + "/v1", api_key="unused")
