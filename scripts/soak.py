@@ -152,7 +152,7 @@ class Traffic:
                 body.update(best_of=2, n=1, temperature=0.8)
                 await self.plain(client, "/v1/completions", body, body["max_tokens"])
             elif kind == "bad":
-                bad = self.rng.choice([{**body, "temperature": -1}, {**body, "prompt": []}, {**body, "bogus": 1},
+                bad = self.rng.choice([{**body, "temperature": -1}, {**body, "prompt": []}, {**body, "top_p": 1.5},
                                        {**body, "max_tokens": self.max_model_len * 2}])
                 r = await client.post(self.base + "/v1/completions", json=bad)
                 self.note(r.status_code, expect=400)
