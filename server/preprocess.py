@@ -74,7 +74,7 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTe
     if options.continue_final_message and options.add_generation_prompt:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true.", 400,
                        "continue_final_message")
-    if options.continue_final_message and messages[-1].role != "assistant":
+    if options.continue_final_message and (not messages or messages[-1].role != "assistant"):
         raise APIError("continue_final_message needs the last message to be the assistant's.", 400,
                        "continue_final_message")
     kwargs: dict[str, Any] = dict(add_generation_prompt=options.add_generation_prompt,

@@ -103,5 +103,7 @@ BAD_INPUTS: list[tuple[str, str, Any, int, Any]] = [
      "max_output_tokens"),
     ("responses-unknown-model", "/v1/responses", {"input": "Hi", "model": "nope"}, 404, "model"),
     ("tokenize-neither", "/tokenize", {"model": MODEL}, 400, "prompt"),
+    ("tokenize-continue-no-messages", "/tokenize",
+     {"messages": [], "add_generation_prompt": False, "continue_final_message": True}, 400, "continue_final_message"),
     ("detokenize-outside-vocab", "/detokenize", {"tokens": [10**9]}, 400, "tokens"),
 ]
