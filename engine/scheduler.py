@@ -332,6 +332,10 @@ class Scheduler:
         if mode is None:
             # One sequence: recomputing its prompt is cheap. Several: their diverged outputs are worth keeping.
             mode = PreemptionMode.RECOMPUTE if group.get_max_num_running_seqs() == 1 else PreemptionMode.SWAP
+        if any(seq.num_uncomputed_tokens() > 1 for seq in group.get_seqs(SequenceStatus.RUNNING)):
+            # Still in its prompt (a chunked prefill, or scheduled and not yet run): no output to keep, and a
+            # swapped-in group is scheduled as a decode, one token per sequence. Recompute, whatever the mode.
+            mode = PreemptionMode.RECOMPUTE
         if mode is PreemptionMode.RECOMPUTE:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 self.block_manager.free(seq)

@@ -404,6 +404,21 @@ def test_prompt_preempted_between_chunks_starts_over():
     assert sched.block_manager.get_num_free_device_blocks() == 4
 
 
+@pytest.mark.parametrize("mode", [None, "swap"])
+def test_best_of_prompt_preempted_between_chunks_is_recomputed_not_swapped(mode):
+    # Swapped out mid-prompt, it came back as a "decode" of its 33 remaining tokens (found by the property test).
+    sched = make_chunked(num_device_blocks=6, budget=8, preemption_mode=mode)
+    a, b = make_group("a", 6, arrival=1.0), make_group("b", 40, best_of=2, arrival=2.0)
+    sched.add_seq_group(a)
+    sched.add_seq_group(b)
+    for _ in range(3):
+        finish_chunked_step(sched, sched.schedule())
+    out = sched.schedule()  # a needs a block; b, mid-prompt, goes back to waiting
+    assert out.num_preempted_recompute == 1 and out.num_preempted_swap == 0 and not out.blocks_to_swap_out
+    assert ids(sched.waiting) == ["b"] and b.seqs[0].num_computed_tokens == 0
+    assert sched.block_manager.get_num_free_cpu_blocks() == 16  # nothing went to the swap space
+
+
 def test_chunked_priority_preempts_before_any_decode_is_scheduled():
     sched = make_chunked(num_device_blocks=4, budget=16, scheduling_policy="priority")
     low = make_group("low", 16, arrival=1.0, priority=2)
