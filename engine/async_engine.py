@@ -16,7 +16,7 @@ from engine.memory import find_malloc_trim
 from engine.config import EngineConfig
 from engine.metrics import Metrics, StatLogger
 from engine.protocol import EngineCore, EngineStats
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GuidedSpec, SamplingParams
 from engine.sequence import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -252,6 +252,11 @@ class AsyncLLMEngine:
         finally:
             if not stream.finished or request_id in self._streams:
                 self.abort(request_id)
+
+    async def compile_grammar(self, spec: GuidedSpec) -> None:
+        """Compile a structured-output spec in a worker thread (cached), so that add_request finds it compiled and
+        the step never waits for a compile. GrammarError (a ValueError) for an invalid spec."""
+        await asyncio.to_thread(self.engine.structured.compile, spec)
 
     def add_request(
         self,

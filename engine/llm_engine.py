@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Iterable, Optional, Union
-
-
 
 from engine import ops
 from engine.cache_engine import CacheEngine, determine_num_blocks, kv_shape
@@ -21,6 +20,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
+from engine.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class LLMEngine:
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
         self.vocab_size = int(self.hf_config.vocab_size)
         self.seq_counter = itertools.count()
+        self._structured: Optional[StructuredOutputs] = None
+        self._structured_lock = threading.Lock()
         self._build_scheduling(num_device_blocks, num_cpu_blocks)
         self.fault_injector: Optional[FaultInjector] = None  # tests: called at the start of each stage (faults.py)
         self._stage = STAGES[0]
@@ -97,8 +99,20 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
         seq = Sequence(next(self.seq_counter), list(prompt_token_ids))
+        if params.guided is not None:
+            seq.grammar = self.structured.new_state(self.structured.compile(params.guided))
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
         self.scheduler.add_seq_group(group)
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler for this tokenizer, made on first use (a server that never sees a constraint
+        never loads xgrammar). Thread-safe: the server compiles off the event loop before add_request."""
+        if self._structured is None:
+            with self._structured_lock:
+                if self._structured is None:
+                    self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_id)
+        return self._structured
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> list[SequenceGroup]:
         """End requests in whichever queue they are; their blocks go back to the pool."""

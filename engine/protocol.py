@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GuidedSpec, SamplingParams
 from engine.sequence import RequestOutput, SequenceGroup
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class EngineCore(Protocol):
     config: EngineConfig
     tokenizer: Any  # a transformers tokenizer
     hf_config: Any  # a transformers PretrainedConfig
+    structured: Any  # engine/structured.StructuredOutputs: compiles structured-output specs (thread-safe)
 
     def add_request(self, request_id: str, prompt: Optional[str] = None,
                     prompt_token_ids: Optional[list[int]] = None, params: Optional[SamplingParams] = None,
@@ -90,6 +91,8 @@ class EngineClient(Protocol):
                  params: Optional[SamplingParams] = None, priority: int = 0) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: Union[str, list[str]]) -> None: ...
+
+    async def compile_grammar(self, spec: GuidedSpec) -> None: ...
 
     def get_stats(self) -> EngineStats: ...
 

@@ -12,6 +12,7 @@ from engine import ops
 from engine.logits_transforms import adjust_logits, beam_candidates, sampling_probs
 from engine.sampling_params import SamplingParams
 from engine.sequence import Logprobs, Sequence, SequenceGroup
+from engine.structured import apply_grammar_masks
 
 # Logprobs reported to the client (Sample.logprobs, cumulative_logprob; prompt logprobs too,
 # engine/prompt_logprobs.py) are log_softmax of the RAW model logits, before penalties, bias or temperature:
@@ -53,6 +54,10 @@ class Sampler:
         raw_logits = logits  # logprobs are reported from these (see the note at the top)
         logits = adjust_logits(logits, [(group.sampling_params, seq) for group, seqs in groups for seq in seqs],
                                self.eos_token_id)
+        constrained = [(row, seq.grammar) for row, seq in enumerate(seq for _, seqs in groups for seq in seqs)
+                       if seq.grammar is not None]
+        if constrained:
+            logits = _mask_to_grammars(logits, raw_logits, constrained)
 
         # Row layout: group i owns rows [starts[i], starts[i] + len(seqs)).
         starts, row = [], 0
@@ -200,6 +205,23 @@ class Sampler:
             out.append(samples)
             slot += count
         return out
+
+
+def _mask_to_grammars(logits: torch.Tensor, raw_logits: torch.Tensor, constrained) -> torch.Tensor:
+    """Structured outputs: the constrained rows keep only the tokens their grammar allows next. A row the
+    other adjustments had already emptied of those (min_tokens holding back the EOS the grammar needs now)
+    keeps the grammar's choice over the raw logits: the grammar wins."""
+    if logits is raw_logits:
+        logits = logits.clone()
+    apply_grammar_masks(logits, constrained)
+    rows = torch.tensor([row for row, _ in constrained], dtype=torch.long, device=logits.device)
+    empty = torch.isneginf(logits[rows]).all(dim=-1)
+    if bool(empty.any()):
+        stuck = [(row, state) for (row, state), e in zip(constrained, empty.tolist()) if e]
+        for row, _ in stuck:
+            logits[row] = raw_logits[row]
+        apply_grammar_masks(logits, stuck)
+    return logits
 
 
 def _row_params(groups, starts) -> dict[int, SamplingParams]:

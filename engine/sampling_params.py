@@ -1,10 +1,33 @@
 """Sampling parameters of one request, validated once (OpenAI / vLLM ranges)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 _EPS = 1e-5
+GUIDED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What the output must match. `value`: the JSON schema (a JSON string), the regex, the choices (a JSON
+    list of strings), or the EBNF grammar; empty for json_object."""
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDED_KINDS:
+            raise ValueError(f"guided decoding kind must be one of {', '.join(GUIDED_KINDS)}, got {self.kind!r}.")
+
+    @classmethod
+    def json_schema(cls, schema: dict) -> "GuidedSpec":
+        return cls("json", json.dumps(schema))
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "GuidedSpec":
+        return cls("choice", json.dumps(list(choices)))
 
 
 @dataclass
@@ -37,6 +60,8 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
     # Token ids of each banned word: its last token is masked whenever the output ends with the others.
     bad_words_token_ids: Optional[list[list[int]]] = None
+    # The output must match this (JSON schema, JSON object, regex, choice, grammar): engine/structured.py.
+    guided: Optional[GuidedSpec] = None
     max_logprobs: int = field(default=20, repr=False)
 
     def __post_init__(self) -> None:
@@ -106,7 +131,12 @@ class SamplingParams:
             fail("bad_words", "cannot contain a word without tokens.")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             fail("logit_bias", "values must be in [-100, 100].")
+        if self.guided is not None and not isinstance(self.guided, GuidedSpec):
+            fail("guided", f"must be a GuidedSpec, got {type(self.guided).__name__}.")
         if self.use_beam_search:
+            if self.guided is not None:
+                fail("use_beam_search", "cannot be combined with structured outputs (a JSON schema, regex, choice, "
+                     "grammar or tool choice).")
             if self.best_of == 1:
                 fail("best_of", "must be greater than 1 when using beam search.")
             if self.temperature > _EPS:

@@ -4,9 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarState
 
 # token id -> logprob, for the sampled token and its top alternatives.
 Logprobs = dict[int, float]
@@ -55,6 +58,8 @@ class Sequence:
         # tokens [num_computed_tokens, get_len()); prefix-cache hits start it > 0.
         self.num_computed_tokens = 0
         self.stop_reason: Union[int, str, None] = None
+        # Where the output is in the request's grammar (structured outputs); None when unconstrained.
+        self.grammar: Optional[GrammarState] = None
         # Incremental detokenizer state (engine/detokenizer.py owns these).
         self.tokens: Optional[list[str]] = None
         self.prefix_offset = 0
@@ -80,6 +85,8 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprobs)
         self.cumulative_logprob += logprobs[token_id]
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def reset_for_recompute(self) -> None:
         """After preemption by recompute: all K/V are gone, recompute everything."""
@@ -96,6 +103,7 @@ class Sequence:
         child.output_token_ids = list(self.output_token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.tokens = list(self.tokens) if self.tokens is not None else None
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def __repr__(self) -> str:

@@ -82,6 +82,8 @@ def create_app(
     served_model_name: Optional[str] = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     shutdown_timeout_s: float = 10.0,
+    chat_template: Optional[str] = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` (an AsyncLLMEngine, or anything else that is an EngineClient)."""
     ctx = ServerContext(
@@ -91,6 +93,8 @@ def create_app(
         vocab_size=engine.vocab_size,
         api_key=api_key,
         shutdown_timeout_s=shutdown_timeout_s,
+        chat_template=chat_template,
+        tool_call_parser=tool_call_parser,
     )
 
     @asynccontextmanager

@@ -7,9 +7,11 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
+from server.tools import PARSERS
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # oneDNN keeps every GEMM primitive it builds, and torch's ideep layer keeps another LRU of them, 1024
@@ -59,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy],
                        help="priority: a request's lower `priority` runs first and may preempt running ones")
     serve.add_argument("--max-logprobs", type=int, default=20)
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    serve.add_argument("--tool-call-parser", default="hermes", choices=list(PARSERS),
+                       help="how tool calls are written in the model's output (server/tools.py)")
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
     serve.add_argument("--enforce-eager", action="store_true",
                        help="accepted for vLLM compatibility; no effect yet: every step runs eagerly (no CUDA "
@@ -94,6 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import create_app
 
     try:
+        chat_template = _read_chat_template(args.chat_template)
         config = config_from_args(args)
         engine = AsyncLLMEngine.from_config(
             config, log_stats=not args.disable_log_stats, stats_interval_s=args.log_stats_interval
@@ -106,7 +113,8 @@ def serve(args: argparse.Namespace) -> int:
     # 503 (error event + [DONE] on streams) and their blocks freed; uvicorn's own timeout then ends nothing.
     cut_after_s = max(0.0, args.shutdown_timeout - min(1.0, args.shutdown_timeout / 4))
     app = create_app(engine, api_key=api_key, served_model_name=config.model_name,
-                     shutdown_timeout_s=cut_after_s)
+                     shutdown_timeout_s=cut_after_s, chat_template=chat_template,
+                     tool_call_parser=args.tool_call_parser)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
                 config.max_model_len)
     # uvicorn owns SIGINT/SIGTERM while serving: it stops accepting, gives in-flight requests the timeout,
@@ -132,6 +140,18 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("exiting with status 1: the engine stopped (%s)", engine.unavailable_reason)
         return 1
     return 0
+
+
+def _read_chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template: a file's text when the value names a file, else the value itself (vLLM's rule)."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template.")
+    return value
 
 
 def _draining_server(config: Any, on_exit: Callable[[], None]) -> Any:

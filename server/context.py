@@ -61,6 +61,8 @@ class ServerContext:
     max_model_len: int
     vocab_size: int
     api_key: Optional[str] = None
+    chat_template: Optional[str] = None  # --chat-template; None: the tokenizer's
+    tool_call_parser: str = "hermes"  # --tool-call-parser (server/tools.py)
     shutdown_timeout_s: float = 10.0  # how long streams may outlive SIGTERM before the engine ends them
     created: int = field(default_factory=lambda: int(time.time()))
     warned_fields: set[str] = field(default_factory=set)  # "route: field" pairs already logged

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from engine.sequence import CompletionOutput, Logprobs, RequestOutput
+from server import tools
 from server.errors import APIError
 from server.job import Job, JobKind
 from server.protocol import (
@@ -132,11 +133,15 @@ def full_response(
 
 
 def _chat_choice(tokenizer: Any, job: Job, c: CompletionOutput, index: int) -> ChatChoice:
+    content: Optional[str] = job.echo_text + c.text
+    calls: list = []
+    if job.tools is not None and c.finish_reason == "stop":
+        content, calls = tools.parse(job.tools, c.text)
     return ChatChoice(
         index=index,
-        message=ChatResponseMessage(content=job.echo_text + c.text),
+        message=ChatResponseMessage(content=content, tool_calls=calls),
         logprobs=output_logprobs(tokenizer, job, c, 0, 0),
-        finish_reason=c.finish_reason,
+        finish_reason=tools.finish_reason(c.finish_reason, calls),
         stop_reason=c.stop_reason,
     )
 

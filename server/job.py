@@ -4,9 +4,12 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from server.tools import ToolPlan
 
 
 class JobKind(enum.Enum):
@@ -36,6 +39,8 @@ class Job:
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs: top-k per prompt token, in the response
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens read "token_id:<id>"
     priority: int = 0
+    tools: Optional["ToolPlan"] = None  # a chat with tools: how its calls are read back (server/tools.py)
+    guided_param: str = "response_format"  # the field a structured-output compile error names
     engine_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def request_id(self, prompt_index: int) -> str:

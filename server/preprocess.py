@@ -5,7 +5,8 @@ import time
 import uuid
 from typing import Any, Optional, Union
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GuidedSpec, SamplingParams
+from server import guided, tools
 from server.context import ServerContext
 from server.errors import APIError
 from server.job import Job, JobKind
@@ -35,12 +36,13 @@ def completion_job(ctx: ServerContext, body: CompletionRequest) -> Job:
     params = sampling_params(
         ctx, body, prompts, body.max_tokens,
         logprobs=body.logprobs, prompt_logprobs=_max_or_none(echo_logprobs, body.prompt_logprobs),
+        guided_spec=guided.guided_spec(body),
     )
     return Job(
         JobKind.COMPLETION, job_id("cmpl", body), int(time.time()), ctx.model_name, prompts, texts, params,
         stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
         echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
-        tokens_as_ids=body.return_tokens_as_token_ids, priority=body.priority,
+        tokens_as_ids=body.return_tokens_as_token_ids, priority=body.priority, guided_param=guided.guided_param(body),
     )
 
 
@@ -50,12 +52,21 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
         raise APIError("messages must contain at least one message.", 400, "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
-    text = render_chat(ctx, body.messages, body)
+    tool_plan = tools.plan(body, ctx.tool_call_parser)
+    spec = guided.guided_spec(body)
+    guided_param = guided.guided_param(body)
+    if tool_plan is not None and tool_plan.mode != "auto":
+        if spec is not None:
+            raise APIError(f"tool_choice {tool_plan.mode} constrains the output already; it cannot be combined "
+                           f"with {guided_param}.", 400, guided_param)
+        spec, guided_param = tools.guided_spec(tool_plan, body.tools), "tool_choice"
+    text = render_chat(ctx, body.messages, body, tool_plan)
     ids = _truncate(ctx, body, ctx.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
     _check_prompt(ctx, ids, "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+    params = sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+                             guided_spec=spec)
     last = body.messages[-1]
     echo_text = _content_text(last.content) if body.echo and last.role == "assistant" else ""
     return Job(
@@ -63,14 +74,18 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
         stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
         echo=body.echo, echo_text=echo_text, logprobs=logprobs, chat_logprobs=body.logprobs,
         prompt_logprobs=body.prompt_logprobs, tokens_as_ids=body.return_tokens_as_token_ids, priority=body.priority,
+        tools=tool_plan, guided_param=guided_param,
     )
 
 
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTemplateFields) -> str:
-    """The tokenizer's chat template over messages whose content parts are joined into one string."""
-    # Templates know system, not OpenAI's newer name for it.
-    plain = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m.content)}
-             for m in messages]
+def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTemplateFields,
+                tool_plan: Optional[tools.ToolPlan] = None) -> str:
+    """The chat template (--chat-template, else the tokenizer's) over messages whose content parts are joined
+    into one string; tools, tool calls and tool results as server/tools.py renders them."""
+    template = ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None)
+    # Templates know system, not OpenAI's newer name for it (chat_messages maps it).
+    plain, tool_kwargs = tools.chat_messages(messages, tool_plan, tools.template_renders_tools(template),
+                                             _content_text)
     if options.continue_final_message and options.add_generation_prompt:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true.", 400,
                        "continue_final_message")
@@ -85,6 +100,9 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTe
     if reserved:
         raise APIError(f"chat_template_kwargs may not set {', '.join(reserved)}.", 400, "chat_template_kwargs")
     kwargs.update(options.chat_template_kwargs or {})
+    kwargs.update(tool_kwargs)
+    if ctx.chat_template:
+        kwargs["chat_template"] = ctx.chat_template
     try:
         return ctx.tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
     except Exception as exc:  # a template may reject an order of roles, or raise_exception(...) on its own
@@ -185,6 +203,7 @@ def sampling_params(
     *,
     logprobs: Optional[int],
     prompt_logprobs: Optional[int] = None,
+    guided_spec: Optional[GuidedSpec] = None,
 ) -> SamplingParams:
     if body.stream and (body.use_beam_search or (body.best_of is not None and body.best_of != body.n)):
         raise APIError("best_of != n and use_beam_search are not supported with stream=true.", 400, "best_of")
@@ -210,7 +229,7 @@ def sampling_params(
             max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens, logit_bias=_logit_bias(ctx, body.logit_bias),
             allowed_token_ids=body.allowed_token_ids, bad_words_token_ids=_bad_words(ctx, body.bad_words),
-            max_logprobs=ctx.engine.config.max_logprobs,
+            max_logprobs=ctx.engine.config.max_logprobs, guided=guided_spec,
         )
     except ValueError as exc:
         raise APIError.from_value_error(exc) from exc

@@ -1,7 +1,7 @@
 """Pydantic request/response models of the OpenAI-compatible API (mirrored by openapi.yaml)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,7 +43,51 @@ class StreamOptions(RequestModel):
     """vLLM: every chunk carries `usage`: its prompt's tokens and its choice's tokens so far."""
 
 
-class SamplingFields(RequestModel):
+class JsonSchemaFormat(RequestModel):
+    """`response_format.json_schema`: the schema the output must validate against."""
+
+    name: Text
+    description: Optional[Text] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(RequestModel):
+    """`response_format`: free text, any JSON object, or JSON valid against a schema (grammar-constrained)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsParams(RequestModel):
+    """vLLM's `structured_outputs`: one of json (a schema), regex, choice, grammar (EBNF), json_object."""
+
+    json_: Union[dict[str, Any], Text, None] = Field(default=None, alias="json")
+    regex: Optional[Text] = None
+    choice: Optional[Annotated[list[Text], Field(min_length=1, max_length=1024)]] = None
+    grammar: Optional[Text] = None
+    json_object: Optional[bool] = None
+
+
+class GuidedFields(RequestModel):
+    """Structured outputs: the output is constrained by a grammar (engine/structured.py); at most one of these."""
+
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Union[dict[str, Any], Text, None] = None
+    """vLLM: the output is JSON valid against this schema (an object, or its JSON text)."""
+    guided_regex: Optional[Text] = None
+    """vLLM: the output matches this regular expression."""
+    guided_choice: Optional[Annotated[list[Text], Field(min_length=1, max_length=1024)]] = None
+    """vLLM: the output is exactly one of these strings."""
+    guided_grammar: Optional[Text] = None
+    """vLLM: the output is derived from this EBNF grammar (xgrammar's dialect; the start rule is `root`)."""
+    guided_decoding_backend: Optional[Text] = None
+    """vLLM: accepted for compatibility; "xgrammar" (or "auto") is the one backend."""
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    """vLLM (newer): the same constraints as one object."""
+
+
+class SamplingFields(GuidedFields):
     """Parameters shared by completions and chat (OpenAI + vLLM extensions)."""
 
     model: Optional[Text] = None
@@ -108,12 +152,57 @@ class TextPart(RequestModel):
     text: Text
 
 
+class FunctionCallIn(RequestModel):
+    """The function an earlier assistant message called: its name and its arguments as a JSON string."""
+
+    name: Text
+    arguments: Text
+
+
+class ToolCallIn(RequestModel):
+    """One tool call of an earlier assistant message (sent back in the conversation)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
-    """One message of a chat; content is a string or a list of text parts."""
+    """One message of a chat; content is a string or a list of text parts. An assistant message may carry the
+    tool calls it made; a `tool` message answers one of them (tool_call_id)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[Text, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
     name: Optional[Text] = None
+    tool_calls: Optional[Annotated[list[ToolCallIn], Field(max_length=MAX_MESSAGES)]] = None
+    tool_call_id: Optional[Text] = None
+
+
+class FunctionDefinition(RequestModel):
+    """A function the model may call: parameters is its arguments' JSON schema."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Optional[Text] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(RequestModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: Text
+
+
+class NamedToolChoice(RequestModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 ChatMessages = Annotated[list[ChatMessage], Field(max_length=MAX_MESSAGES)]
@@ -137,6 +226,11 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: ChatMessages
+    tools: Optional[Annotated[list[ChatTool], Field(max_length=128)]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    """"none": no tool call; "auto" (the default with tools): the model decides, its calls are parsed from the
+    output; "required" or a named function: the output is constrained to calls (grammar)."""
+    parallel_tool_calls: bool = True
     max_tokens: Optional[NumTokens] = None
     max_completion_tokens: Optional[NumTokens] = None
     logprobs: bool = False
@@ -234,11 +328,41 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call names, and its arguments as a JSON string."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One call the assistant makes."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
-    """The assistant's message."""
+    """The assistant's message: text, tool calls, or both."""
 
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call (OpenAI's delta format): the first delta of a call has its id, type and name."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -268,6 +392,7 @@ class ChatDelta(BaseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(BaseModel):

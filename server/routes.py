@@ -92,6 +92,11 @@ async def delete_response(response_id: str, request: Request) -> ResponseDeleted
 async def _serve(request: Request, ctx: ServerContext, job: Job) -> Response:
     if not ctx.engine.is_ready:
         raise APIError(ctx.engine.unavailable_reason, 503)
+    if job.params.guided is not None:
+        try:  # compiled off the event loop, before the engine sees the request (cached by spec)
+            await ctx.engine.compile_grammar(job.params.guided)
+        except ValueError as exc:  # GrammarError: the schema, regex or grammar is invalid
+            raise APIError(f"{job.guided_param}: {exc}", 400, job.guided_param) from None
     if job.stream:
         return streaming.sse_response(ctx.engine, job, ctx.shutdown_timeout_s)
     finals = await streaming.collect(request, ctx.engine, job)

@@ -13,7 +13,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from engine.async_engine import EngineDeadError, RequestFailedError
 from engine.sequence import RequestOutput
-from server import formatting
+from server import formatting, tools
 from server.errors import APIError, error_body
 from server.protocol import (
     ChatCompletionStreamResponse, ChatDelta, ChatLogprobs, ChatStreamChoice, CompletionStreamChoice,
@@ -113,6 +113,7 @@ class _ChoiceState:
     text_len: int = 0
     num_tokens: int = 0
     finished: bool = False
+    tools: Optional[tools.ToolStream] = None  # a chat with tools: what of the text may go out
 
 
 def sse_response(engine: Any, job: Job, shutdown_timeout_s: float, events: Optional[AsyncIterator] = None
@@ -161,8 +162,17 @@ def _choice_delta(
     if state.finished:
         return None
     text = c.text[state.text_len:]
-    prefix = job.prompt_texts[i] if job.echo and job.kind is JobKind.COMPLETION and not state.started else ""
     reason = c.finish_reason
+    tool_deltas = None
+    if job.tools is not None:  # text that may be a tool call is held back (server/tools.py)
+        if state.tools is None:
+            state.tools = tools.ToolStream(job.tools)
+        text = state.tools.feed(c.text)
+        if reason is not None:
+            rest, deltas, reason = state.tools.finish(c.text, reason)
+            text, tool_deltas = text + rest, deltas or None
+        state.text_len = len(c.text)  # what was held back is the ToolStream's to send
+    prefix = job.prompt_texts[i] if job.echo and job.kind is JobKind.COMPLETION and not state.started else ""
     logprobs = None
     if job.logprobs is not None and (len(c.token_ids) > state.num_tokens or prefix):
         offset = (len(job.prompt_texts[i]) if job.echo else 0) + state.text_len
@@ -175,7 +185,8 @@ def _choice_delta(
     state.finished = reason is not None
     usage = _running_usage(job, i, len(c.token_ids))
     if job.kind is JobKind.CHAT:
-        return _chat_chunk(job, index, ChatDelta(content=text), logprobs, reason, c.stop_reason, usage)
+        delta = ChatDelta(content=text if text or tool_deltas is None else None, tool_calls=tool_deltas)
+        return _chat_chunk(job, index, delta, logprobs, reason, c.stop_reason, usage)
     choice = CompletionStreamChoice(index=index, text=prefix + text, logprobs=logprobs, finish_reason=reason,
                                     stop_reason=c.stop_reason)
     return _envelope(job, [choice], usage)

@@ -54,14 +54,14 @@ def test_unknown_fields_accepted_and_warned_once(tiny_server, caplog):
                 events = sse_events(r.read().decode().splitlines())
             assert events[-2]["usage"]["completion_tokens"] == 3
         chat = post(tiny_server, "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "Hi", "tool_calls": []}], "max_tokens": 2, "foo_unknown": 1})
+            "messages": [{"role": "user", "content": "Hi", "audio_unknown": []}], "max_tokens": 2, "foo_unknown": 1})
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1
     warned = [rec.getMessage() for rec in caplog.records if "unknown field" in rec.getMessage()]
     assert sorted(warned) == sorted([
         "/v1/completions: ignoring the unknown field 'foo_unknown' (warned once per field)",
         "/v1/completions: ignoring the unknown field 'stream_options.bar_unknown' (warned once per field)",
         "/v1/chat/completions: ignoring the unknown field 'foo_unknown' (warned once per field)",
-        "/v1/chat/completions: ignoring the unknown field 'messages.tool_calls' (warned once per field)",
+        "/v1/chat/completions: ignoring the unknown field 'messages.audio_unknown' (warned once per field)",
     ])
 
 

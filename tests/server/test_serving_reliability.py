@@ -5,7 +5,6 @@ import asyncio
 import time
 
 import httpx
-import pytest
 from bad_inputs import BAD_INPUTS, MODEL
 from serving_harness import metric, wait_idle
 

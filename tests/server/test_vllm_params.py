@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-from bad_inputs import MODEL
 from serving_harness import ServerThread, metric, sse_events
 
 PROMPT = "The capital of France is"

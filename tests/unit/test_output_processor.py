@@ -185,7 +185,7 @@ def test_process_returns_the_forks_and_frees_and_leaves_blocks_to_the_engine(tok
 
 def test_best_of_keeps_the_most_likely_and_streams_nothing_before(tokenizer):
     harness = Harness(tokenizer)
-    group = harness.add(SamplingParams(n=1, best_of=3, temperature=1.0, max_tokens=2))
+    harness.add(SamplingParams(n=1, best_of=3, temperature=1.0, max_tokens=2))
     t = [tokenizer.encode(w)[0] for w in (" red", " green", " blue")]
     out = harness.step(lambda seqs: [(seqs[0], t[0], -2.0), (seqs[0], t[1], -0.5), (seqs[0], t[2], -1.0)])
     assert out.outputs == [] and not out.finished
