@@ -167,6 +167,12 @@ void argmax_logsumexp(const torch::Tensor& logits,  // [rows, vocab]
   pagedserve::cpu::argmax_logsumexp(logits, argmax, logsumexp);
 }
 
+void small_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
+                const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  cpu_only({&out, &x, &packed}, "small_gemm");
+  pagedserve::cpu::small_gemm(out, x, packed, bias, isa);
+}
+
 // OpenMP threads for the parallel regions the CALLING thread opens from now on (the compiled ops',
 // and oneDNN's GEMMs, which share this OpenMP runtime); other threads keep theirs. Returns the old value.
 int64_t set_thread_omp_threads(int64_t n) {
@@ -205,6 +211,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, release_gil(), "neox RoPE in place on [tokens, heads, head_size]");
   m.def("argmax_logsumexp", &argmax_logsumexp, release_gil(),
         "per row: index of the first largest logit and log(sum(exp(logits))) (writes argmax, logsumexp)");
+  m.def("small_gemm", &small_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"),
+        py::arg("bias"), py::arg("isa") = 0, "out = x @ W^T (+ bias) for a few rows over a small-row packed W");
+  m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");

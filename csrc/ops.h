@@ -106,6 +106,19 @@ void argmax_logsumexp(
     at::Tensor& argmax,        // [rows] int64
     at::Tensor& logsumexp);    // [rows] float32
 
+// ---- small-row linear (CPU only; csrc/cpu/small_gemm.cpp has the packed layouts).
+
+// out = x @ W^T (+ bias) for a few rows, W packed by engine/cpu_linear.py's pack_small_rows.
+void small_gemm(
+    at::Tensor& out,                           // [M, N] float32 or bfloat16, rows contiguous
+    const at::Tensor& x,                       // [M, K] same dtype, rows contiguous
+    const at::Tensor& packed,                  // [blocks * 16 * K'] same dtype (1-D)
+    const c10::optional<at::Tensor>& bias,     // [N] or None
+    int64_t isa);                              // 0: the best this build has; 2 AVX2, 3 AVX-512F, 4 AVX-512 BF16
+
+// The best small_gemm path this build has (the isa codes above), 0 when none.
+int64_t small_gemm_isa();
+
 }  // namespace cpu
 
 #ifdef PAGEDSERVE_CUDA

@@ -6,10 +6,18 @@ bfloat16 weights are packed where oneDNN can (AVX-512 BW/VL/DQ or AVX-NE-CONVERT
 accumulation; elsewhere (an AVX2-only CPU) they stay on F.linear. What this buys, measured, is in
 docs/benchmarks.md ("Packed oneDNN linears").
 
-Invariants: the packed copy replaces the original, so each weight is held once: pack_linears leaves an
+Invariants: the packed copies replace the original: pack_linears leaves an
 empty tensor of the same dtype in its place (in_features/out_features kept). A weight shared with another
 parameter, as a head tied to the embedding, is kept: the embedding still reads it. A packed linear serves
 CPU inputs of its own dtype only (RuntimeError otherwise), of any leading shape.
+
+Small row counts (a decode step's few sequences) go to csrc/cpu/small_gemm.cpp instead: at 1 to SMALL_ROWS rows
+a linear is a matrix-vector product bound by reading the weights once, and oneDNN's GEMM, built for many rows,
+streamed them well under the memory's speed (docs/benchmarks.md, "Small-row linears"). That kernel reads its
+own copy of each weight, packed here (pack_small_rows): float32 weights are then held twice (both packed forms).
+bfloat16 weights on a CPU without AVX-512 BF16 are held once, in the small-row form only: that kernel serves
+every row count there (_small_rows_everywhere). PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count to oneDNN
+and makes no small-row copy.
 
 Use (the loader, once the weights are loaded):
 
@@ -19,18 +27,25 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import types
 from collections import Counter
 
 import torch
 from torch import nn
 
+from engine import ops
 from engine.memory import find_malloc_trim
 
 logger = logging.getLogger(__name__)
 
 # PAGEDSERVE_PACKED_LINEAR=0 keeps F.linear (A/B comparisons, or a torch without oneDNN).
 _ENV = "PAGEDSERVE_PACKED_LINEAR"
+_SMALL_ENV = "PAGEDSERVE_SMALL_ROW_LINEAR"
+
+# Row counts up to this go to the small-row kernel (measured: benchmarks/small_gemm.py).
+SMALL_ROWS = 16
+SMALL_BLOCK = 16  # output columns per block of the small-row layout (csrc/cpu/small_gemm.cpp)
 
 
 def packed_linear_available() -> bool:
@@ -57,6 +72,32 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
 EXACT_ROWS = 16
 
 
+def small_rows_available() -> bool:
+    """The compiled kernels have a small-row GEMM path for this CPU (AVX2+FMA at least), not switched off."""
+    return os.environ.get(_SMALL_ENV, "1") != "0" and ops.small_gemm_isa() > 0
+
+
+def _small_rows_everywhere(dtype: torch.dtype) -> bool:
+    """bfloat16 without vdpbf16ps (this CPU has no AVX-512 BF16): oneDNN then widens bfloat16 itself and was
+    slower than the small-row kernel at every row count, prefill included (docs/benchmarks.md), so that kernel
+    serves them all and the oneDNN copy is never made."""
+    return dtype == torch.bfloat16 and ops.small_gemm_isa() < ops.SMALL_GEMM_AVX512_BF16
+
+
+def pack_small_rows(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] in csrc/cpu/small_gemm.cpp's streaming layout, 1-D, zero-padded: float32 [N/16][K][16],
+    bfloat16 [N/16][K/2][16][2] (pairs of k per column: vdpbf16ps' operand)."""
+    n, k = weight.shape
+    n_pad = -n % SMALL_BLOCK
+    if weight.dtype == torch.float32:
+        w = nn.functional.pad(weight, (0, 0, 0, n_pad))
+        return w.view(-1, SMALL_BLOCK, k).transpose(1, 2).contiguous().view(-1)
+    if weight.dtype != torch.bfloat16:
+        raise ValueError(f"the small-row layout is for float32 and bfloat16 weights, got {weight.dtype}")
+    w = nn.functional.pad(weight, (0, k % 2, 0, n_pad))
+    return w.view(-1, SMALL_BLOCK, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous().view(-1)
+
+
 def bucket_rows(rows: int) -> int:
     """rows rounded up to a multiple of 2^(k-3) for rows in [2^k, 2^(k+1)); rows itself up to EXACT_ROWS."""
     if rows <= EXACT_ROWS:
@@ -66,18 +107,24 @@ def bucket_rows(rows: int) -> int:
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] -> [..., out_features]
-    packed = self._packed_weight  # [out_features, in_features], oneDNN's blocked layout
-    if x.dtype != packed.dtype or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+    packed = self._packed_weight  # [out_features, in_features], oneDNN's blocked layout; None: small-row kernel only
+    dtype = (packed if packed is not None else self._small_weight).dtype
+    if x.dtype != dtype or x.device.type != "cpu" or x.shape[-1] != self.in_features:
         # No F.linear fallback: the weight it would need is released (pack_linears); oneDNN's own errors say little.
         raise RuntimeError(
-            f"packed linear ({self.in_features} -> {self.out_features}, {packed.dtype}) got an input of shape "
+            f"packed linear ({self.in_features} -> {self.out_features}, {dtype}) got an input of shape "
             f"{tuple(x.shape)}, {x.dtype}, on {x.device}: a linear packed by pack_linears serves CPU "
-            f"{packed.dtype} inputs [..., {self.in_features}] only"
+            f"{dtype} inputs [..., {self.in_features}] only"
         )
     lead = x.shape[:-1]
     if len(lead) != 1:  # the model's own calls are 2-D: skip the reshapes there (~2 us each, 120 calls a step)
         x = x.reshape(-1, self.in_features)  # [num_tokens, in_features]
     rows = x.shape[0]
+    small = self._small_weight
+    if small is not None and rows <= self._small_max_rows:
+        out = ops.small_gemm(x.new_empty(rows, self.out_features), x if x.stride(-1) == 1 else x.contiguous(),
+                             small, self.bias)
+        return out if len(lead) == 1 else out.view(*lead, self.out_features)
     pad = bucket_rows(rows) - rows
     if pad:
         x = nn.functional.pad(x, (0, 0, 0, pad))  # zero rows at the end
@@ -116,7 +163,10 @@ def _packable(w: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
 def _pack(module: nn.Linear, users: Counter) -> bool:
     """Pack module's weight and switch its forward; True when the original weight was its own and is released."""
     w = module.weight
-    module._packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+    module._small_weight = pack_small_rows(w.detach()) if small_rows_available() else None
+    small_everywhere = module._small_weight is not None and _small_rows_everywhere(w.dtype)
+    module._small_max_rows = sys.maxsize if small_everywhere else SMALL_ROWS
+    module._packed_weight = None if small_everywhere else torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
     module.forward = types.MethodType(_packed_forward, module)
     if users[w.untyped_storage().data_ptr()] > 1:
         return False

@@ -230,3 +230,25 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(logits.shape[0], dtype=torch.float32)
     module.argmax_logsumexp(logits, argmax, lse)
     return argmax, lse
+
+
+# small_gemm's ISA paths (csrc/cpu/small_gemm.cpp); SMALL_GEMM_AUTO is the best one the build has.
+SMALL_GEMM_AUTO, SMALL_GEMM_AVX2, SMALL_GEMM_AVX512, SMALL_GEMM_AVX512_BF16 = 0, 2, 3, 4
+
+
+def small_gemm_isa() -> int:
+    """The best small-row GEMM path of the compiled CPU kernels (SMALL_GEMM_*), 0 when there is none (no AVX2+FMA,
+    or the reference backend): the caller then keeps oneDNN."""
+    module = _load()
+    return 0 if module is None else int(module.small_gemm_isa())
+
+
+def small_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
+               x: torch.Tensor,  # [rows, K] same dtype, rows contiguous
+               packed: torch.Tensor,  # engine/cpu_linear.py pack_small_rows(W [N, K])
+               bias: Optional[torch.Tensor] = None,  # [N]
+               isa: int = SMALL_GEMM_AUTO) -> torch.Tensor:
+    """out = x @ W^T (+ bias), streaming W once for all rows: a decode step's linears (a few rows). CPU only,
+    compiled only (small_gemm_isa() > 0); `isa` forces a path the build has (tests)."""
+    _load().small_gemm(out, x, packed, bias, isa)
+    return out

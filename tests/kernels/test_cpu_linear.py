@@ -149,7 +149,7 @@ def test_untied_weights_are_released():
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="RSS is read from /proc")
-def test_packing_does_not_keep_a_second_copy():
+def test_packing_does_not_keep_the_original():
     # 4 layers of 1024-wide linears: 4 * (3 + 1 + 8 + 4) * 1024 * 1024 * 4 bytes = 256 MiB of weights.
     config = tiny_llama_config(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                                num_attention_heads=8, num_key_value_heads=8)
@@ -159,7 +159,9 @@ def test_packing_does_not_keep_a_second_copy():
     before = _rss_mib()
     pack_linears(model)
     grown = _rss_mib() - before
-    assert grown < 0.25 * weight_mib, f"RSS grew {grown:.0f} MiB packing {weight_mib:.0f} MiB of weights"
+    # float32 keeps two packed forms (oneDNN's and the small-row kernel's), never the original as well.
+    copies = 1 if model.layers[0].mlp.down_proj._small_weight is None else 2
+    assert grown < (copies - 0.75) * weight_mib, f"RSS grew {grown:.0f} MiB packing {weight_mib:.0f} MiB of weights"
 
 
 def test_tied_head_keeps_the_embedding():

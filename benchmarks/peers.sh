@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# pagedserve against llama.cpp's llama-server, side by side in one run, with the same streaming client
+# (benchmarks/serving.py) and GGUFs converted from the same default model weights.
+#
+#   bash benchmarks/peers.sh                        # build (cached), convert (cached), sweep C=1,2,4,8,16,32
+#   SWEEP=1,8,32 bash benchmarks/peers.sh           # a shorter sweep
+#   PARTS=build bash benchmarks/peers.sh            # only build llama-server and the GGUFs
+#   DTYPES=float32 bash benchmarks/peers.sh         # an AVX2-only CPU: compare in float32 only
+#
+# llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
+# GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
+# convert_hf_to_gguf.py runs in a scratch venv there (it needs gguf and sentencepiece, which pagedserve does
+# not). llama-server gets one slot per stream (-np C, continuous batching, -t 2 -tb 2), so every concurrency
+# starts its own server. JSON per server and dtype goes to $OUT/peers_*.json, the plot to $OUT/peers.png.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-benchmarks/results}
+SWEEP=${SWEEP:-1,2,4,8,16,32}
+DTYPES=${DTYPES:-bfloat16 float32}
+PARTS=" ${PARTS:-build served plot} "
+THREADS=${THREADS:-2}
+LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
+CACHE=${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}
+LLAMA=$CACHE/llama.cpp-$LLAMA_CPP_PYTHON
+SERVER=$LLAMA/build/bin/llama-server
+export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
+mkdir -p "$OUT" "$LLAMA"
+part() { [[ $PARTS == *" $1 "* ]]; }
+gguf_type() { case $1 in bfloat16) echo bf16 ;; float32) echo f32 ;; *) echo "unknown dtype $1" >&2; exit 2 ;; esac; }
+
+build_llama_server() {
+    [[ -x $SERVER ]] && return
+    if [[ ! -d $LLAMA/src/vendor/llama.cpp ]]; then
+        python3 -m pip download --no-deps --no-binary :all: -d "$LLAMA/sdist" \
+            "llama-cpp-python==$LLAMA_CPP_PYTHON"
+        rm -rf "$LLAMA/src.partial" && mkdir -p "$LLAMA/src.partial"
+        tar -xzf "$LLAMA"/sdist/llama_cpp_python-*.tar.gz -C "$LLAMA/src.partial" --strip-components=1
+        mv "$LLAMA/src.partial" "$LLAMA/src"
+    fi
+    command -v cmake > /dev/null || python3 -m pip install cmake
+    cmake -S "$LLAMA/src/vendor/llama.cpp" -B "$LLAMA/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+    nice cmake --build "$LLAMA/build" --target llama-server -j "$(nproc)"
+}
+
+# The default model as the converted HF folder (engine/loader.py), then as one GGUF per dtype.
+convert_ggufs() {
+    local model
+    model=$("$PY" -c 'from engine.loader import default_model_path; print(default_model_path())')
+    if [[ ! -x $LLAMA/venv/bin/python ]]; then
+        "$PY" -m venv "$LLAMA/venv.partial"
+        "$LLAMA/venv.partial/bin/pip" install -q "numpy<3" sentencepiece gguf safetensors \
+            "transformers==$("$PY" -c 'import transformers; print(transformers.__version__)')" \
+            torch --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+        mv "$LLAMA/venv.partial" "$LLAMA/venv"
+    fi
+    for dtype in $DTYPES; do
+        local out=$LLAMA/model-$(gguf_type "$dtype").gguf
+        [[ -f $out ]] && continue
+        HF_HUB_OFFLINE=1 "$LLAMA/venv/bin/python" "$LLAMA/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$model" \
+            --outtype "$(gguf_type "$dtype")" --outfile "$out.partial"
+        mv "$out.partial" "$out"
+    done
+}
+
+port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# serve LABEL JSON C CMD...: start CMD (a server on $PORT), wait for /health, run serving.py at concurrency C
+# (N = max(4, 2C) requests, 128 prompt and 128 output tokens, EOS ignored), record the server's peak RSS
+# (VmHWM) into the JSON, stop it.
+serve() {
+    local label=$1 json=$2 c=$3; shift 3
+    "$@" > "$OUT/$json.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 1 300); do
+        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
+        kill -0 "$pid" 2> /dev/null || { tail -20 "$OUT/$json.log"; exit 1; }
+        sleep 1
+    done
+    "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --label "$label" --sweep "$c" --rounds 2 \
+        --num-prompts-min 4 --strict --output-json "$OUT/$json.json"
+    local hwm
+    hwm=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
+    "$PY" - "$OUT/$json.json" "$hwm" <<'EOF'
+import json, sys
+path, hwm_kib = sys.argv[1], int(sys.argv[2])
+data = json.load(open(path))
+data["server_peak_rss_mib"] = round(hwm_kib / 1024, 1)
+json.dump(data, open(path, "w"), indent=2)
+EOF
+    kill -INT "$pid"; wait "$pid" || true
+}
+
+if part build; then
+    build_llama_server
+    convert_ggufs
+fi
+if part served; then
+    for dtype in $DTYPES; do
+        for c in ${SWEEP//,/ }; do
+            PORT=$(port); serve "llama.cpp ($dtype GGUF)" "peers_llamacpp_${dtype}_c$c" "$c" \
+                "$SERVER" -m "$LLAMA/model-$(gguf_type "$dtype").gguf" --host 127.0.0.1 --port "$PORT" \
+                -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512))
+            PORT=$(port); serve "pagedserve ($dtype)" "peers_pagedserve_${dtype}_c$c" "$c" \
+                "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype "$dtype"
+        done
+    done
+fi
+if part plot; then
+    "$PY" benchmarks/peers_report.py "$OUT" --output-json "$OUT/peers.json" --plot "$OUT/peers.png"
+fi
+echo "results in $OUT"

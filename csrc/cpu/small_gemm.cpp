@@ -1,0 +1,408 @@
+// Small-row GEMM for CPU decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), M from 1 to ~16.
+//
+// Why: at a few rows a linear is a matrix-vector product, bound by reading W once. oneDNN's packed GEMM is
+// built for many rows and streamed SmolLM2's weights at ~13 GB/s at one row on a VM that copies ~33 GB/s
+// (issue 16). Here W is repacked once at load (engine/cpu_linear.py) so that each thread reads one
+// contiguous range of it, front to back, and each weight vector loaded feeds every row of x:
+//
+//   float32:  [N/16][K][16]           16 output columns of one k side by side
+//   bfloat16: [N/16][K/2][16][2]      16 columns, each with a (k, k+1) pair: vdpbf16ps' operand layout
+//
+// N is padded to a multiple of 16 and K (bfloat16) to a multiple of 2 with zeros. Accumulation is float32;
+// a bfloat16 output is rounded once (round to nearest even), as F.linear does.
+//
+// Paths, picked at run time from what the build targets (engine/ops_loader.py), or forced by `isa` (tests
+// run the AVX2 path on an AVX-512 machine): AVX-512 BF16 (vdpbf16ps), AVX-512F, AVX2+FMA. Without
+// vdpbf16ps a bfloat16 pair is widened by two integer ops: (pair << 16) is the even k, (pair & 0xffff0000)
+// the odd one.
+//
+// Threads: the 16-column blocks are split in contiguous ranges over the caller's OpenMP threads (N is the only
+// parallel axis at a few rows); tiny layers run on the calling thread.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include "../ops.h"
+
+namespace pagedserve {
+namespace cpu {
+
+namespace {
+
+constexpr int64_t kBlock = 16;        // output columns per packed block
+constexpr int kRowTile = 4;           // rows of x per pass over a weight tile (the tile stays in L1/L2)
+constexpr int64_t kMinBlocksPerThread = 8;
+// Cache lines (one per k or k pair of a block) prefetched ahead of the loads: the hardware prefetcher alone
+// kept too few lines in flight over a few interleaved streams (measured: benchmarks/small_gemm.py). Prefetches
+// past a block's end touch the next block, which is read next anyway (or a harmless line past the weight).
+constexpr int64_t kPrefetchAhead = 16;  // below this a second thread costs more than it saves
+
+enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
+
+Isa best_isa() {
+#if defined(__AVX512BF16__)
+  return kAvx512Bf16;
+#elif defined(__AVX512F__)
+  return kAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return kAvx2;
+#else
+  return kAuto;  // none: small_gemm_isa() reports 0 and engine/cpu_linear.py keeps oneDNN
+#endif
+}
+
+// A tile's accumulators, [rows][blocks * 16] floats, handed to the epilogue.
+struct TileOut {
+  float* out_f32;          // output row 0 (float32 output) or nullptr
+  c10::BFloat16* out_bf16; // output row 0 (bfloat16 output) or nullptr
+  int64_t out_stride;      // elements between output rows
+  const float* bias;       // [N] float32 or nullptr
+  int64_t n;               // valid output columns
+};
+
+inline void store_row(const TileOut& o, int64_t row, int64_t col0, const float* acc, int64_t count) {
+  const int64_t valid = std::min(count, o.n - col0);
+  for (int64_t j = 0; j < valid; ++j) {
+    const float v = acc[j] + (o.bias ? o.bias[col0 + j] : 0.0f);
+    if (o.out_f32) {
+      o.out_f32[row * o.out_stride + col0 + j] = v;
+    } else {
+      o.out_bf16[row * o.out_stride + col0 + j] = c10::BFloat16(v);  // round to nearest even
+    }
+  }
+}
+
+// ------------------------------------------------------------------ AVX-512
+
+#if defined(__AVX512F__)
+
+// float32 weights [blocks][K][16]; x float32 rows (stride xs). R rows, B blocks of 16 columns.
+template <int R, int B>
+void tile_f32_avx512(const float* x, int64_t xs, const float* w, int64_t k, const TileOut& o, int64_t row0,
+                     int64_t col0) {
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t bstride = k * kBlock;
+  for (int64_t i = 0; i < k; ++i) {
+    __m512 wv[B];
+    for (int b = 0; b < B; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + (i + kPrefetchAhead) * kBlock), _MM_HINT_T0);
+      wv[b] = _mm512_loadu_ps(w + b * bstride + i * kBlock);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * xs + i]);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
+    }
+  }
+  alignas(64) float buf[kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      _mm512_store_ps(buf, acc[r][b]);
+      store_row(o, row0 + r, col0 + b * kBlock, buf, kBlock);
+    }
+}
+
+// bfloat16 weights [blocks][K/2][16][2] without vdpbf16ps; x as float32 rows (widened by the caller).
+template <int R, int B>
+void tile_bf16_avx512(const float* x, int64_t xs, const uint32_t* w, int64_t kp, const TileOut& o, int64_t row0,
+                      int64_t col0) {
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t bstride = kp * kBlock;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512 even[B], odd[B];
+    for (int b = 0; b < B; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + (p + kPrefetchAhead) * kBlock), _MM_HINT_T0);
+      const __m512i pairs = _mm512_loadu_si512(w + b * bstride + p * kBlock);
+      even[b] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      odd[b] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_set1_ps(x[r * xs + 2 * p]);
+      const __m512 x1 = _mm512_set1_ps(x[r * xs + 2 * p + 1]);
+      for (int b = 0; b < B; ++b) {
+        acc[r][b] = _mm512_fmadd_ps(x0, even[b], acc[r][b]);
+        acc[r][b] = _mm512_fmadd_ps(x1, odd[b], acc[r][b]);
+      }
+    }
+  }
+  alignas(64) float buf[kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      _mm512_store_ps(buf, acc[r][b]);
+      store_row(o, row0 + r, col0 + b * kBlock, buf, kBlock);
+    }
+}
+
+#endif  // __AVX512F__
+
+#if defined(__AVX512BF16__)
+
+// bfloat16 weights [blocks][K/2][16][2] with vdpbf16ps; x as bfloat16 pairs (uint32, row stride xs pairs).
+template <int R, int B>
+void tile_bf16_dp(const uint32_t* x, int64_t xs, const uint32_t* w, int64_t kp, const TileOut& o, int64_t row0,
+                  int64_t col0) {
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t bstride = kp * kBlock;
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * bstride + p * kBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * xs + p]));
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+  alignas(64) float buf[kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      _mm512_store_ps(buf, acc[r][b]);
+      store_row(o, row0 + r, col0 + b * kBlock, buf, kBlock);
+    }
+}
+
+#endif  // __AVX512BF16__
+
+// ------------------------------------------------------------------ AVX2 + FMA (one block = two ymm halves)
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+template <int R, int B>
+void tile_f32_avx2(const float* x, int64_t xs, const float* w, int64_t k, const TileOut& o, int64_t row0,
+                   int64_t col0) {
+  __m256 acc[R][2 * B];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2 * B; ++h) acc[r][h] = _mm256_setzero_ps();
+  const int64_t bstride = k * kBlock;
+  for (int64_t i = 0; i < k; ++i) {
+    __m256 wv[2 * B];
+    for (int b = 0; b < B; ++b) {
+      wv[2 * b] = _mm256_loadu_ps(w + b * bstride + i * kBlock);
+      wv[2 * b + 1] = _mm256_loadu_ps(w + b * bstride + i * kBlock + 8);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * xs + i]);
+      for (int h = 0; h < 2 * B; ++h) acc[r][h] = _mm256_fmadd_ps(xv, wv[h], acc[r][h]);
+    }
+  }
+  alignas(32) float buf[kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      _mm256_store_ps(buf, acc[r][2 * b]);
+      _mm256_store_ps(buf + 8, acc[r][2 * b + 1]);
+      store_row(o, row0 + r, col0 + b * kBlock, buf, kBlock);
+    }
+}
+
+template <int R, int B>
+void tile_bf16_avx2(const float* x, int64_t xs, const uint32_t* w, int64_t kp, const TileOut& o, int64_t row0,
+                    int64_t col0) {
+  __m256 acc[R][2 * B];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2 * B; ++h) acc[r][h] = _mm256_setzero_ps();
+  const int64_t bstride = kp * kBlock;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < kp; ++p) {
+    __m256 even[2 * B], odd[2 * B];
+    for (int h = 0; h < 2 * B; ++h) {
+      const __m256i pairs = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w + (h / 2) * bstride + p * kBlock + (h % 2) * 8));
+      even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      odd[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 x0 = _mm256_set1_ps(x[r * xs + 2 * p]);
+      const __m256 x1 = _mm256_set1_ps(x[r * xs + 2 * p + 1]);
+      for (int h = 0; h < 2 * B; ++h) {
+        acc[r][h] = _mm256_fmadd_ps(x0, even[h], acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(x1, odd[h], acc[r][h]);
+      }
+    }
+  }
+  alignas(32) float buf[kBlock];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      _mm256_store_ps(buf, acc[r][2 * b]);
+      _mm256_store_ps(buf + 8, acc[r][2 * b + 1]);
+      store_row(o, row0 + r, col0 + b * kBlock, buf, kBlock);
+    }
+}
+
+#endif  // __AVX2__ && __FMA__
+
+// ------------------------------------------------------------------ driver
+
+// A tile kernel: rows R, blocks B; X is the x element type it reads, W the packed weight element type.
+template <typename X, typename W>
+using TileFn = void (*)(const X*, int64_t, const W*, int64_t, const TileOut&, int64_t, int64_t);
+
+// kernels[r - 1][b - 1] for r rows and b blocks.
+template <typename X, typename W, int BMax>
+struct Kernels {
+  TileFn<X, W> fn[kRowTile][BMax];
+};
+
+#define PAGEDSERVE_TILE_ROW(F, R) {F<R, 1>, F<R, 2>, F<R, 3>, F<R, 4>}
+#define PAGEDSERVE_TILES(F) \
+  {{PAGEDSERVE_TILE_ROW(F, 1), PAGEDSERVE_TILE_ROW(F, 2), PAGEDSERVE_TILE_ROW(F, 3), PAGEDSERVE_TILE_ROW(F, 4)}}
+#define PAGEDSERVE_TILE_ROW2(F, R) {F<R, 1>, F<R, 2>}
+#define PAGEDSERVE_TILE_ROW1(F, R) {F<R, 1>}
+#define PAGEDSERVE_TILES1(F) \
+  {{PAGEDSERVE_TILE_ROW1(F, 1), PAGEDSERVE_TILE_ROW1(F, 2), PAGEDSERVE_TILE_ROW1(F, 3), PAGEDSERVE_TILE_ROW1(F, 4)}}
+#define PAGEDSERVE_TILES2(F) \
+  {{PAGEDSERVE_TILE_ROW2(F, 1), PAGEDSERVE_TILE_ROW2(F, 2), PAGEDSERVE_TILE_ROW2(F, 3), PAGEDSERVE_TILE_ROW2(F, 4)}}
+
+// Runs the tiles of blocks [b0, b1) for all m rows: B blocks at a time, kRowTile rows per pass.
+// w_block: elements of W per block; x_row: elements between x rows.
+template <typename X, typename W, int BMax>
+void run_blocks(const Kernels<X, W, BMax>& k, const X* x, int64_t xs, const W* w, int64_t w_block, int64_t depth,
+                const TileOut& o, int64_t m, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; b += BMax) {
+    const int nb = static_cast<int>(std::min<int64_t>(BMax, b1 - b));
+    for (int64_t r = 0; r < m; r += kRowTile) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRowTile, m - r));
+      k.fn[nr - 1][nb - 1](x + r * xs, xs, w + b * w_block, depth, o, r, b * kBlock);
+    }
+  }
+}
+
+template <typename Fn>
+void over_threads(int64_t blocks, Fn&& fn) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / kMinBlocksPerThread));
+  if (threads == 1) return fn(int64_t{0}, blocks);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    fn(blocks * t / nt, blocks * (t + 1) / nt);
+  }
+}
+
+// x rows widened to float32 (bfloat16 input on the paths without vdpbf16ps), K padded to `width` with zeros.
+std::vector<float> widened(const at::Tensor& x, int64_t width) {
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<float> buf(m * width, 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    if (x.scalar_type() == at::kFloat) {
+      std::memcpy(buf.data() + r * width, x.data_ptr<float>() + r * x.stride(0), k * sizeof(float));
+    } else {
+      const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r * x.stride(0);
+      for (int64_t i = 0; i < k; ++i) buf[r * width + i] = static_cast<float>(src[i]);
+    }
+  }
+  return buf;
+}
+
+}  // namespace
+
+int64_t small_gemm_isa() { return best_isa(); }
+
+void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 1, "small_gemm: x [M, K], out [M, N], packed 1-D");
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "small_gemm: CPU tensors");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "small_gemm: x, out and the packed weight share one dtype, got ", x.scalar_type(), ", ",
+              out.scalar_type(), ", ", packed.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && packed.is_contiguous(), "small_gemm: rows contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(out.size(0) == m, "small_gemm: out has ", out.size(0), " rows, x ", m);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "small_gemm: float32 or bfloat16, got ", x.scalar_type());
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t depth = bf16 ? (k + 1) / 2 : k;  // pairs (bfloat16) or k (float32) per block column
+  TORCH_CHECK(packed.numel() == blocks * kBlock * depth * (bf16 ? 2 : 1), "small_gemm: packed weight has ",
+              packed.numel(), " elements, expected ", blocks * kBlock * depth * (bf16 ? 2 : 1), " for N=", n,
+              " K=", k);
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "small_gemm: bias has ", bias->numel(), " elements, N is ", n);
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  if (m == 0 || n == 0) return;
+  const Isa best = best_isa();
+  const Isa use = isa == kAuto ? best : static_cast<Isa>(isa);
+  TORCH_CHECK(use != kAuto && use <= best, "small_gemm: ISA path ", isa, " is not in this build (best ", best, ")");
+  TileOut o{bf16 ? nullptr : out.data_ptr<float>(), bf16 ? out.data_ptr<c10::BFloat16>() : nullptr, out.stride(0),
+            bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n};
+  const int64_t w_block = kBlock * depth * (bf16 ? 2 : 1);  // elements of the packed dtype per block
+
+#if defined(__AVX512BF16__)
+  if (bf16 && use == kAvx512Bf16) {
+    static const Kernels<uint32_t, uint32_t, 4> kernels = PAGEDSERVE_TILES(tile_bf16_dp);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+    const uint32_t* xp;
+    int64_t xs;
+    std::vector<c10::BFloat16> copy;
+    if (k % 2 == 0 && x.stride(0) % 2 == 0) {  // pairs read in place
+      xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+      xs = x.stride(0) / 2;
+    } else {  // an odd K: rows padded with a zero
+      copy.assign(m * depth * 2, c10::BFloat16(0.0f));
+      for (int64_t r = 0; r < m; ++r)
+        std::memcpy(copy.data() + r * depth * 2, x.data_ptr<c10::BFloat16>() + r * x.stride(0), k * 2);
+      xp = reinterpret_cast<const uint32_t*>(copy.data());
+      xs = depth;
+    }
+    over_threads(blocks, [&](int64_t b0, int64_t b1) {
+      run_blocks(kernels, xp, xs, w, w_block / 2, depth, o, m, b0, b1);
+    });
+    return;
+  }
+#endif
+  // The paths below read x as float32, K padded to the packed depth.
+  const std::vector<float> xf = widened(x, bf16 ? 2 * depth : k);
+  const int64_t xs = bf16 ? 2 * depth : k;
+#if defined(__AVX512F__)
+  if (use >= kAvx512) {
+    if (bf16) {
+      static const Kernels<float, uint32_t, 2> kernels = PAGEDSERVE_TILES2(tile_bf16_avx512);
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+      over_threads(blocks, [&](int64_t b0, int64_t b1) {
+        run_blocks(kernels, xf.data(), xs, w, w_block / 2, depth, o, m, b0, b1);
+      });
+    } else {
+      static const Kernels<float, float, 4> kernels = PAGEDSERVE_TILES(tile_f32_avx512);
+      const float* w = packed.data_ptr<float>();
+      over_threads(blocks, [&](int64_t b0, int64_t b1) {
+        run_blocks(kernels, xf.data(), xs, w, w_block, depth, o, m, b0, b1);
+      });
+    }
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (bf16) {
+    static const Kernels<float, uint32_t, 1> kernels = PAGEDSERVE_TILES1(tile_bf16_avx2);  // 16 ymm: one block
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+    over_threads(blocks, [&](int64_t b0, int64_t b1) {
+      run_blocks(kernels, xf.data(), xs, w, w_block / 2, depth, o, m, b0, b1);
+    });
+  } else {
+    static const Kernels<float, float, 1> kernels = PAGEDSERVE_TILES1(tile_f32_avx2);
+    const float* w = packed.data_ptr<float>();
+    over_threads(blocks, [&](int64_t b0, int64_t b1) {
+      run_blocks(kernels, xf.data(), xs, w, w_block, depth, o, m, b0, b1);
+    });
+  }
+  return;
+#endif
+  TORCH_CHECK(false, "small_gemm: this build has no SIMD path (AVX2+FMA at least)");
+}
+
+}  // namespace cpu
+}  // namespace pagedserve

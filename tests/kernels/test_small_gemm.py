@@ -1,0 +1,104 @@
+"""The small-row GEMM (csrc/cpu/small_gemm.cpp) equals F.linear for every ISA path this CPU can run (the AVX2 one
+forced on an AVX-512 machine too), both dtypes, odd shapes (N not a multiple of 16, odd K), with and without bias,
+strided rows, and one and two threads; and a packed linear sends small row counts to it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine import ops
+from engine.cpu_linear import SMALL_ROWS, pack_linears, pack_small_rows, packed_dtypes, small_rows_available
+from kernels.conftest import torch_threads
+
+BEST = ops.small_gemm_isa()
+pytestmark = pytest.mark.skipif(BEST == 0, reason="the compiled kernels have no small-row GEMM path on this CPU")
+
+ISAS = [isa for isa in (ops.SMALL_GEMM_AVX2, ops.SMALL_GEMM_AVX512, ops.SMALL_GEMM_AVX512_BF16) if isa <= BEST]
+DTYPES = [torch.float32, torch.bfloat16]
+# (N, K): a block multiple, N and K odd, N under one block, SmolLM2-like widths.
+SHAPES = [(64, 32), (37, 33), (5, 8), (200, 96), (1536, 576)]
+
+
+def _tolerance(dtype: torch.dtype, k: int) -> dict:
+    # float32: summation order only. bfloat16: one output rounding (2^-8 relative) plus summation order.
+    return dict(atol=1e-5 * k ** 0.5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+
+
+def _expected(x, weight, bias):
+    return nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_small_gemm_matches_f_linear(isa, dtype, shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    packed = pack_small_rows(weight)
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        for b in (None, bias):
+            out = ops.small_gemm(torch.empty(rows, n, dtype=dtype), x, packed, b, isa)
+            torch.testing.assert_close(out, _expected(x, weight, b), **_tolerance(dtype, k))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_gemm_splits_columns_over_threads(isa, dtype):
+    gen = torch.Generator().manual_seed(7)
+    n, k = 1000, 64  # 63 blocks: an uneven split, the last block partial
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    packed = pack_small_rows(weight)
+    x = torch.randn(3, k, generator=gen).to(dtype)
+    outs = []
+    for threads in (1, 2):
+        with torch_threads(threads), ops.thread_omp_threads(threads):
+            outs.append(ops.small_gemm(torch.empty(3, n, dtype=dtype), x, packed, None, isa))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)  # each column is summed by one thread, in order
+    torch.testing.assert_close(outs[0], _expected(x, weight, None), **_tolerance(dtype, k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_gemm_reads_strided_rows_and_writes_strided_out(dtype):
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 40, generator=gen).to(dtype)
+    wide = torch.randn(4, 100, generator=gen).to(dtype)
+    x = wide[:, 10:50]  # rows 100 apart
+    out_wide = torch.zeros(4, 70, dtype=dtype)
+    ops.small_gemm(out_wide[:, 5:53], x, pack_small_rows(weight))
+    torch.testing.assert_close(out_wide[:, 5:53], _expected(x, weight, None), **_tolerance(dtype, 40))
+    assert out_wide[:, :5].abs().sum() == 0 and out_wide[:, 53:].abs().sum() == 0  # nothing past the columns
+
+
+def test_small_gemm_refuses_what_it_cannot_serve():
+    packed = pack_small_rows(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        ops.small_gemm(torch.empty(2, 32, dtype=torch.bfloat16), torch.randn(2, 16).bfloat16(), packed)
+    with pytest.raises(RuntimeError, match="packed weight has"):
+        ops.small_gemm(torch.empty(2, 32), torch.randn(2, 17), packed)
+    with pytest.raises(RuntimeError, match="not in this build"):
+        ops.small_gemm(torch.empty(2, 32), torch.randn(2, 16), packed, None, BEST + 1)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        pack_small_rows(torch.randn(4, 4, dtype=torch.float16))
+
+
+@pytest.mark.skipif(not small_rows_available(), reason="PAGEDSERVE_SMALL_ROW_LINEAR=0")
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d in packed_dtypes()])
+def test_packed_linear_uses_the_small_row_kernel_up_to_small_rows(dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    layer = nn.Linear(96, 200, bias=True, dtype=dtype)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    pack_linears(nn.Sequential(layer))
+    calls = []
+    real = ops.small_gemm
+    monkeypatch.setattr(ops, "small_gemm", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    for rows in (1, 4, SMALL_ROWS, SMALL_ROWS + 1, 40):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        torch.testing.assert_close(layer(x), _expected(x, weight, bias), **_tolerance(dtype, 96))
+    if layer._packed_weight is None:  # bfloat16 without AVX-512 BF16: the small-row kernel serves every row count
+        assert calls == [1, 4, SMALL_ROWS, SMALL_ROWS + 1, 40]
+    else:
+        assert calls == [1, 4, SMALL_ROWS]  # more rows go to oneDNN
