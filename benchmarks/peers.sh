@@ -9,9 +9,9 @@
 #
 # llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
 # GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
-# convert_hf_to_gguf.py runs in a scratch venv there (it needs gguf and sentencepiece, which pagedserve does
-# not). llama-server gets one slot per stream (-np C, continuous batching, -t 2 -tb 2), so every concurrency
-# starts its own server. JSON per server and dtype goes to $OUT/peers_*.json, the plot to $OUT/peers.png.
+# convert_hf_to_gguf.py runs on pagedserve's Python, with the vendored gguf-py and sentencepiece (installed into
+# the cache folder, not the venv) on PYTHONPATH. llama-server gets one slot per stream (-np C, continuous
+# batching, -t 2 -tb 2), so every concurrency starts its own server. JSON per server and dtype goes to $OUT/peers_*.json, the plot to $OUT/peers.png.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -49,17 +49,15 @@ build_llama_server() {
 convert_ggufs() {
     local model
     model=$("$PY" -c 'from engine.loader import default_model_path; print(default_model_path())')
-    if [[ ! -x $LLAMA/venv/bin/python ]]; then
-        "$PY" -m venv "$LLAMA/venv.partial"
-        "$LLAMA/venv.partial/bin/pip" install -q "numpy<3" sentencepiece gguf safetensors \
-            "transformers==$("$PY" -c 'import transformers; print(transformers.__version__)')" \
-            torch --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
-        mv "$LLAMA/venv.partial" "$LLAMA/venv"
+    if [[ ! -d $LLAMA/pydeps ]]; then  # beside pagedserve's own packages (torch, transformers, numpy)
+        "$PY" -m pip install -q --no-deps --target "$LLAMA/pydeps.partial" sentencepiece
+        mv "$LLAMA/pydeps.partial" "$LLAMA/pydeps"
     fi
     for dtype in $DTYPES; do
         local out=$LLAMA/model-$(gguf_type "$dtype").gguf
         [[ -f $out ]] && continue
-        HF_HUB_OFFLINE=1 "$LLAMA/venv/bin/python" "$LLAMA/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$model" \
+        PYTHONPATH="$LLAMA/src/vendor/llama.cpp/gguf-py:$LLAMA/pydeps" \
+            "$PY" "$LLAMA/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$model" \
             --outtype "$(gguf_type "$dtype")" --outfile "$out.partial"
         mv "$out.partial" "$out"
     done
