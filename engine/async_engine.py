@@ -256,7 +256,9 @@ class AsyncLLMEngine:
     async def compile_grammar(self, spec: GuidedSpec) -> None:
         """Compile a structured-output spec in a worker thread (cached), so that add_request finds it compiled and
         the step never waits for a compile. GrammarError (a ValueError) for an invalid spec."""
-        await asyncio.to_thread(self.engine.structured.compile, spec)
+        structured = self.engine.structured
+        if not structured.is_cached(spec):  # a cached spec costs no thread hop (it would cost a GIL switch)
+            await asyncio.to_thread(structured.compile, spec)
 
     def add_request(
         self,

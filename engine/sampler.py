@@ -211,8 +211,10 @@ def _mask_to_grammars(logits: torch.Tensor, raw_logits: torch.Tensor, constraine
     """Structured outputs: the constrained rows keep only the tokens their grammar allows next. A row the
     other adjustments had already emptied of those (min_tokens holding back the EOS the grammar needs now)
     keeps the grammar's choice over the raw logits: the grammar wins."""
-    if logits is raw_logits:
+    if logits is raw_logits:  # nothing else masked a token: a grammar always allows one, no row can be empty
         logits = logits.clone()
+        apply_grammar_masks(logits, constrained)
+        return logits
     apply_grammar_masks(logits, constrained)
     rows = torch.tensor([row for row, _ in constrained], dtype=torch.long, device=logits.device)
     empty = torch.isneginf(logits[rows]).all(dim=-1)

@@ -92,6 +92,10 @@ class StructuredOutputs:
                 self._cache.popitem(last=False)
         return compiled
 
+    def is_cached(self, spec: GuidedSpec) -> bool:
+        with self._lock:
+            return spec in self._cache
+
     def _compile(self, spec: GuidedSpec):
         compiler = self._compiler
         if spec.kind == "json":
