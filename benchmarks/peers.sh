@@ -54,7 +54,8 @@ convert_ggufs() {
         mv "$LLAMA/pydeps.partial" "$LLAMA/pydeps"
     fi
     for dtype in $DTYPES; do
-        local out=$LLAMA/model-$(gguf_type "$dtype").gguf
+        local out
+        out=$LLAMA/model-$(gguf_type "$dtype").gguf
         [[ -f $out ]] && continue
         PYTHONPATH="$LLAMA/src/vendor/llama.cpp/gguf-py:$LLAMA/pydeps" \
             "$PY" "$LLAMA/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$model" \
