@@ -64,24 +64,19 @@ convert_ggufs() {
     done
 }
 
-port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# shellcheck source=benchmarks/lib.sh
+source benchmarks/lib.sh
 
 # serve LABEL JSON C CMD...: start CMD (a server on $PORT), wait for /health, run serving.py at concurrency C
 # (N = max(4, 2C) requests, 128 prompt and 128 output tokens, EOS ignored), record the server's peak RSS
 # (VmHWM) into the JSON, stop it.
 serve() {
     local label=$1 json=$2 c=$3; shift 3
-    "$@" > "$OUT/$json.log" 2>&1 &
-    local pid=$!
-    for _ in $(seq 1 300); do
-        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-        kill -0 "$pid" 2> /dev/null || { tail -20 "$OUT/$json.log"; exit 1; }
-        sleep 1
-    done
+    start_server "$OUT/$json.log" "$@"
     "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --label "$label" --sweep "$c" --rounds 2 \
         --num-prompts-min 4 --strict --output-json "$OUT/$json.json"
     local hwm
-    hwm=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
+    hwm=$(awk '/VmHWM/ {print $2}' "/proc/$SERVER_PID/status")
     "$PY" - "$OUT/$json.json" "$hwm" <<'EOF'
 import json, sys
 path, hwm_kib = sys.argv[1], int(sys.argv[2])
@@ -89,7 +84,7 @@ data = json.load(open(path))
 data["server_peak_rss_mib"] = round(hwm_kib / 1024, 1)
 json.dump(data, open(path, "w"), indent=2)
 EOF
-    kill -INT "$pid"; wait "$pid" || true
+    stop_server
 }
 
 if part build; then

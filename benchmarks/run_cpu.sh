@@ -18,23 +18,18 @@ DTYPES=${DTYPES:-float32 bfloat16}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
 
-port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# shellcheck source=benchmarks/lib.sh
+source benchmarks/lib.sh
 
 # serve LABEL JSON LOAD CMD...: start CMD (a server on $PORT), wait for /health, run serving.py with the
 # LOAD options on it, stop it.
 serve() {
     local label=$1 json=$2 load=$3; shift 3
-    "$@" > "$OUT/$json.log" 2>&1 &
-    local pid=$!
-    for _ in $(seq 1 300); do
-        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
-        kill -0 "$pid" 2> /dev/null || { tail -20 "$OUT/$json.log"; exit 1; }
-        sleep 1
-    done
+    start_server "$OUT/$json.log" "$@"
     # shellcheck disable=SC2086  # LOAD is a list of options
     "$PY" benchmarks/serving.py --base-url "http://127.0.0.1:$PORT" --label "$label" $load --strict \
         --output-json "$OUT/$json.json"
-    kill -INT "$pid"; wait "$pid" || true
+    stop_server
 }
 sweep() { echo "--sweep $1 --rounds 2 --num-prompts-min 4"; }
 
