@@ -109,6 +109,8 @@ class AsyncLLMEngine:
         self._malloc_trim = find_malloc_trim()
         self._last_trim = time.monotonic()
         self.num_cut_at_shutdown = 0
+        if hasattr(engine, "on_fatal"):  # a tensor-parallel rank that dies between steps stops the engine at once
+            engine.on_fatal = self._fatal_from_thread
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLMEngine":
@@ -221,12 +223,44 @@ class AsyncLLMEngine:
         if self._cut_handle is not None:
             self._cut_handle.cancel()
         self._fail_all(EngineDeadError("server is shutting down"))
+        await self._stop_engine()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._dead is None:
             stats = self._stats  # the loop's latest snapshot: a cancelled step may still be running
             logger.info("engine stopped: %d request(s) ended at the shutdown timeout, %d left in the engine, "
                         "KV cache usage %.1f%%", self.num_cut_at_shutdown,
                         stats.num_running + stats.num_waiting + stats.num_swapped, 100 * stats.device_cache_usage)
+
+    async def _stop_engine(self, timeout_s: float = 15.0) -> None:
+        """Stop the engine's other ranks (tensor parallelism): in the step thread, after any step still running,
+        so the stop message never crosses a step's collectives; forcibly when the engine is dead or that hangs."""
+        close = getattr(self.engine, "shutdown", None)
+        if close is None:
+            return
+        if self._dead is None:
+            try:
+                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._executor, close), timeout_s)
+                return
+            except Exception as exc:  # a step stuck in a collective, or the stop failed: end the ranks anyway
+                logger.error("the engine did not stop cleanly (%r); ending its ranks", exc)
+        close(graceful=False)
+
+    def _fatal_from_thread(self, exc: BaseException) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._die, exc)
+        else:
+            self._dead = exc
+
+    def _die(self, exc: BaseException) -> None:
+        """On the loop: the engine cannot serve again. Every reader gets the error, /health turns 503, and the
+        CLI's on_dead ends the process for its supervisor to restart."""
+        if self._dead is not None:
+            return
+        self._dead = exc
+        self._fail_all(EngineDeadError(f"The engine stopped: {exc}"))
+        if self.on_dead is not None:
+            self.on_dead()
 
     # -- requests --
     async def generate(
@@ -330,10 +364,7 @@ class AsyncLLMEngine:
             raise
         except BaseException as exc:  # outside a step, or resets did not help: stop serving
             logger.exception("the engine loop failed; the engine is dead")
-            self._dead = exc
-            self._fail_all(EngineDeadError(f"The engine stopped: {exc}"))
-            if self.on_dead is not None:
-                self.on_dead()
+            self._die(exc)
 
     def _step(self) -> tuple[list[RequestOutput], EngineStats, Optional[_Fault]]:
         """Runs in the executor thread: the only place the engine computes. A step that raised has ended its

@@ -27,17 +27,18 @@ GiB = 1 << 30
 KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, num_kv_heads, block_size, head_size] each
 
 
-def kv_shape(hf_config) -> tuple[int, int, int]:
-    """(layers, key/value heads, head size) of the model's KV cache."""
+def kv_shape(hf_config, tp_size: int = 1) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of one rank's KV cache: under tensor parallelism each of the
+    tp_size ranks holds its share of the key/value heads."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return hf_config.num_hidden_layers, kv_heads, head_size
+    return hf_config.num_hidden_layers, kv_heads // tp_size, head_size
 
 
-def cache_block_bytes(block_size: int, hf_config, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers, keys and values."""
-    layers, kv_heads, head_size = kv_shape(hf_config)
+def cache_block_bytes(block_size: int, hf_config, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one block over all layers, keys and values, on one rank."""
+    layers, kv_heads, head_size = kv_shape(hf_config, tp_size)
     return 2 * layers * kv_heads * block_size * head_size * torch.empty((), dtype=dtype).element_size()
 
 
@@ -46,11 +47,11 @@ class CacheEngine:
 
     def __init__(
         self, block_size: int, hf_config, num_device_blocks: int, num_cpu_blocks: int,
-        device: torch.device, dtype: torch.dtype,
+        device: torch.device, dtype: torch.dtype, tp_size: int = 1,
     ) -> None:
         self.block_size, self.num_device_blocks, self.num_cpu_blocks = block_size, num_device_blocks, num_cpu_blocks
         self.device, self.dtype = torch.device(device), dtype
-        layers, kv_heads, head_size = kv_shape(hf_config)
+        layers, kv_heads, head_size = kv_shape(hf_config, tp_size)
         self.num_layers = layers
         self.block_shape = (kv_heads, block_size, head_size)
         # torch.empty: the attention only reads slots it wrote, so zeroing gigabytes would be wasted time.
@@ -135,7 +136,7 @@ def determine_num_blocks(
     step's scratch that forward does not allocate (step_scratch_bytes).
     Host blocks: num_cpu_blocks_override, else swap_space GiB.
     """
-    block_bytes = cache_block_bytes(config.block_size, hf_config, dtype)
+    block_bytes = cache_block_bytes(config.block_size, hf_config, dtype, config.tensor_parallel_size)
     flag = "--num-gpu-blocks-override"
     if config.num_gpu_blocks_override is not None:
         num_gpu = config.num_gpu_blocks_override

@@ -48,7 +48,10 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     watermark: float = 0.01
     max_logprobs: int = 20
+    # Ranks that each hold 1/N of the model (engine/tp_workers.py); on CPU each gets 1/N of the cores.
     tensor_parallel_size: int = 1
+    # Seconds the ranks wait for each other to start, and at most in any one collective.
+    distributed_timeout: float = 120.0
     # Accepted for vLLM compatibility; no effect yet: every step runs eagerly (no CUDA graphs, no compiled step).
     enforce_eager: bool = False
 
@@ -68,7 +71,8 @@ class EngineConfig:
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("max_logprobs", self.max_logprobs >= 0, "must be >= 0"),
             ("watermark", 0.0 <= self.watermark < 1.0, "must be in [0, 1)"),
-            ("tensor_parallel_size", self.tensor_parallel_size == 1, "only 1 is supported"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
+            ("distributed_timeout", self.distributed_timeout > 0, "must be > 0"),
         ]
         for name, ok, msg in checks:
             if not ok:

@@ -13,7 +13,10 @@ from engine.sequence import RequestOutput
 
 
 class LLM:
-    """Generate for a batch of prompts with continuous batching, in this process."""
+    """Generate for a batch of prompts with continuous batching, in this process.
+
+    With tensor_parallel_size N > 1 the other ranks run in N - 1 spawned processes: a script that builds one
+    must guard its entry point with `if __name__ == "__main__":` (spawn re-imports the main module)."""
 
     def __init__(self, model: Optional[str] = None, **engine_kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
@@ -21,6 +24,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """End the other tensor-parallel ranks' processes (nothing to do on one rank); generate fails after it."""
+        self.engine.shutdown()
 
     def generate(
         self,

@@ -5,14 +5,15 @@ import itertools
 import logging
 import threading
 import time
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from engine import ops
-from engine.cache_engine import CacheEngine, determine_num_blocks, kv_shape
+from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
+from engine.distributed import TPGroup, torchrun_env
 from engine.faults import STAGES, FaultInjector, StepError, block_problems
-from engine.loader import load_model, model_max_len, resolve_device
-from engine.model_runner import ModelRunner
+from engine.loader import load_hf_config, resolve_device
+from engine.models.llama import ModelArgs
 from engine.output_processor import OutputProcessor
 from engine.prompt_logprobs import add_prompt_logprobs
 from engine.protocol import EngineStats
@@ -21,6 +22,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
 from engine.structured import StructuredOutputs
+from engine.tp_workers import TensorParallelError, TPWorkers
+from engine.worker import RankState
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +36,24 @@ class LLMEngine:
         # Build/load the kernels before the weights: a CUDA engine without its compiled kernels refuses to
         # start (ops_loader.require_backend), and loading imports torch.utils.cpp_extension (setuptools,
         # ~0.3 s holding the GIL), which in the first step would stall a server's event loop.
-        ops.require_backend(resolve_device(config))
-        loaded = load_model(config)
+        device = resolve_device(config)
+        ops.require_backend(device)
+        # Tensor parallelism: the other ranks load their shards alongside this one (engine/tp_workers.py).
+        self.workers: Optional[TPWorkers] = None
+        tp = TPGroup.single()
+        if config.tensor_parallel_size > 1 or torchrun_env() is not None:
+            ModelArgs.from_hf(load_hf_config(config)).check_tensor_parallel(config.tensor_parallel_size)
+            self.workers, tp = TPWorkers.start(config, device)
+        try:
+            rank = RankState.build(config, tp)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        loaded, self.model_runner, self.cache_engine = rank.loaded, rank.runner, rank.cache_engine
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.device, self.dtype = loaded.device, loaded.dtype
-        _, kv_heads, head_size = kv_shape(self.hf_config)
-        ops.check_attention_geometry(self.device, self.hf_config.num_attention_heads, kv_heads, head_size)
-        config.resolve(model_max_len(self.hf_config))
-        self.model_runner = ModelRunner(config, self.model, self.device)
-        num_device_blocks, num_cpu_blocks = determine_num_blocks(
-            config, self.hf_config, self.dtype, self.device, profile=self.model_runner.profile_run
-        )
-        self.cache_engine = CacheEngine(
-            config.block_size, self.hf_config, num_device_blocks, num_cpu_blocks, self.device, self.dtype
-        )
+        self.model_runner.workers = self.workers
+        num_device_blocks, num_cpu_blocks = self.cache_engine.num_device_blocks, self.cache_engine.num_cpu_blocks
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
         self.vocab_size = int(self.hf_config.vocab_size)
         self.seq_counter = itertools.count()
@@ -60,6 +67,21 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._preempted_recompute = 0
         self._preempted_swap = 0
+
+    @property
+    def on_fatal(self) -> Optional[Callable[[BaseException], None]]:
+        """Called (from a watcher thread) when a tensor-parallel rank dies between steps."""
+        return self.workers.on_death if self.workers is not None else None
+
+    @on_fatal.setter
+    def on_fatal(self, callback: Optional[Callable[[BaseException], None]]) -> None:
+        if self.workers is not None:
+            self.workers.on_death = callback
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the other tensor-parallel ranks (graceful: no step is running); nothing to do on one rank."""
+        if self.workers is not None:
+            self.workers.shutdown(graceful)
 
     def _build_scheduling(self, num_device_blocks: int, num_cpu_blocks: int) -> None:
         """The per-request state: queues and block tables, sampler generators, detokenizer."""
@@ -136,7 +158,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         try:
             return self._step(outputs)
-        except StepError:
+        except (StepError, TensorParallelError):  # the latter: the ranks are out of step, the engine must stop
             raise
         except Exception as exc:
             # Before schedule() returned no request belonged to the step: none is ended (the caller checks the
@@ -160,6 +182,8 @@ class LLMEngine:
         self.cache_engine.apply(out)
         self._step_groups = scheduled
         if not out.scheduled:
+            if self.workers is not None and (out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy):
+                self.workers.send_step(out, None)  # the other ranks' caches make the same moves
             return outputs
 
         # A prompt chunk short of the prompt's end (chunked prefill) samples nothing and reports nothing yet.
@@ -229,7 +253,7 @@ class LLMEngine:
         num_device_blocks, num_cpu_blocks = self.cache_engine.num_device_blocks, self.cache_engine.num_cpu_blocks
         self.cache_engine = None  # the old cache's memory goes back before the new one is allocated
         self.cache_engine = CacheEngine(self.config.block_size, self.hf_config, num_device_blocks, num_cpu_blocks,
-                                        self.device, self.dtype)
+                                        self.device, self.dtype, self.config.tensor_parallel_size)
         self._build_scheduling(num_device_blocks, num_cpu_blocks)
         return dropped
 

@@ -22,6 +22,7 @@ import torch
 
 from engine.config import DEFAULT_MODEL_ID, EngineConfig
 from engine.cpu_linear import pack_linears
+from engine.distributed import TPGroup
 from engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -204,20 +205,21 @@ def _load_format(config: EngineConfig, model_path: Path) -> LoadFormat:
     return fmt
 
 
-def load_model(config: EngineConfig, pack_cpu_linears: bool = True) -> LoadedModel:
-    """Build our model for config.model (None: the default SmolLM2) with its tokenizer and HF config.
+class _Source(NamedTuple):
+    path: Path
+    fmt: LoadFormat
+    hf_config: object
+    tokenizer: str  # where the tokenizer comes from
+    tokenizer_kwargs: dict
 
-    On CPU the linears are packed for oneDNN (engine/cpu_linear.py), which releases their plain weights;
-    pack_cpu_linears=False keeps the plain nn.Linear weights (to compare or save them)."""
-    from transformers import AutoConfig, AutoTokenizer
+
+def _source(config: EngineConfig) -> _Source:
+    from transformers import AutoConfig
 
     model_path = Path(config.model).expanduser() if config.model else default_model_path()
     if not model_path.exists():
         raise ValueError(f"--model {config.model!r}: no such folder or file (models are never downloaded).")
     fmt = _load_format(config, model_path)
-    device = resolve_device(config)
-    start = time.monotonic()
-
     if fmt is LoadFormat.GGUF or model_path.suffix == ".gguf":
         if model_path.suffix != ".gguf":
             raise ValueError(f"--load-format gguf needs a .gguf file, got {model_path}.")
@@ -227,13 +229,33 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True) -> LoadedMod
     else:
         hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
         tok_source, tok_kwargs = config.tokenizer or str(model_path), {}
+    return _Source(model_path, fmt, hf_config, tok_source, tok_kwargs)
+
+
+def load_hf_config(config: EngineConfig):
+    """The model's HF config alone (checks before any weight is read, e.g. the tensor-parallel split)."""
+    return _source(config).hf_config
+
+
+def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional[TPGroup] = None) -> LoadedModel:
+    """Build our model for config.model (None: the default SmolLM2) with its tokenizer and HF config; under
+    tensor parallelism (tp) this rank's shard of it.
+
+    On CPU the linears are packed for oneDNN (engine/cpu_linear.py), which releases their plain weights;
+    pack_cpu_linears=False keeps the plain nn.Linear weights (to compare or save them)."""
+    from transformers import AutoTokenizer
+
+    model_path, fmt, hf_config, tok_source, tok_kwargs = _source(config)
+    device = resolve_device(config)
+    start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(tok_source, local_files_only=True, **tok_kwargs)
 
     dtype = resolve_dtype(config, hf_config, device)
     model_cls = get_model_class(hf_config)
     with torch.device("meta"):
         # The RoPE table must cover --max-model-len when it exceeds the checkpoint's (rope-scaled models).
-        model = model_cls(hf_config, dtype=dtype, max_len=max(config.max_model_len or 0, model_max_len(hf_config)))
+        model = model_cls(hf_config, dtype=dtype, max_len=max(config.max_model_len or 0, model_max_len(hf_config)),
+                          tp=tp)
     model.to_empty(device=device)
     model.tie_weights()
     if fmt is LoadFormat.DUMMY:

@@ -6,6 +6,9 @@ Use (the engine, each step, after cache_engine.apply(out)):
     logits, prompt_logits = runner.execute(out, cache_engine.device_cache)
     # logits: [num_rows, vocab] float32, one row per RUNNING sequence of each scheduled group, in order
     # prompt_logits: {request_id: [num_prompt_tokens_computed, vocab]} for prefills asking prompt_logprobs
+
+Under tensor parallelism the driver (rank 0) runs execute(); `runner.workers` (engine/tp_workers.py) hands
+each step's ModelInput to the other ranks, which run forward() on it in lockstep (their logits are None).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 from engine import ops
 from engine.attention import AttentionMetadata, KVCache, PrefillSpan, make_prefill_bias
 from engine.config import EngineConfig
+from engine.distributed import TPGroup
 from engine.prompt_logprobs import logits_positions
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -51,6 +55,21 @@ class ModelInput(NamedTuple):
     logits_indices: torch.Tensor  # [num_rows] int64: each sampled row's last token, in the scheduler's row order
     prompt_rows: dict[str, tuple[int, int]]  # request_id -> token range [a, b) whose logits are prompt logits
 
+    def to(self, device: torch.device) -> "ModelInput":
+        """The same input on `device` (tensor parallelism ships it on the CPU: one pickled broadcast)."""
+        if self.input_ids.device == device:
+            return self
+        m = self.meta
+        move = (lambda t: None if t is None else t.to(device, non_blocking=True))
+        spans = [PrefillSpan(p.start, p.end, p.context_len, move(p.block_table)) for p in m.prefills]
+        meta = AttentionMetadata(
+            slot_mapping=move(m.slot_mapping), prefills=spans, num_prefill_tokens=m.num_prefill_tokens,
+            decode_block_tables=move(m.decode_block_tables), decode_context_lens=move(m.decode_context_lens),
+            prefill_bias=make_prefill_bias(spans) if device.type == "cuda" else None,
+        )
+        return ModelInput(move(self.input_ids), move(self.positions), meta, move(self.logits_indices),
+                          self.prompt_rows)
+
 
 class ModelRunner:
     """Runs the model on the sequences a SchedulerOutput schedules; prefill and decode alike."""
@@ -58,9 +77,14 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
         self.config, self.model, self.device = config, model, torch.device(device)
         self.block_size = config.block_size
+        self.tp: TPGroup = getattr(model, "tp", None) or TPGroup.single()
+        # Tensor parallelism: the step's input is built on the CPU, broadcast, then moved by each rank.
+        self._input_device = torch.device("cpu") if self.tp.world_size > 1 else self.device
+        self.workers = None  # the driver's handle on the other ranks (engine/tp_workers.py), under TP
         self._threads = torch.get_num_threads()
+        # The ranks' collectives must run in one order: under TP a step is one forward.
         self._split = (self.device.type == "cpu" and self._threads > 1 and os.environ.get(_SPLIT_ENV, "1") != "0"
-                       and ops.backend() is ops.OpsBackend.COMPILED_CPU)
+                       and ops.backend() is ops.OpsBackend.COMPILED_CPU and self.tp.group is None)
         self._shard_pool: Optional[ThreadPoolExecutor] = None  # started on the first split step
 
     @torch.inference_mode()
@@ -73,11 +97,25 @@ class ModelRunner:
         at("prepare_inputs")
         inp = self.prepare(out)
         at("forward")
+        if self.workers is not None:  # the other ranks apply the step's cache moves and join this forward
+            self.workers.send_step(out, inp)
         if inp is None:
             return torch.empty(0, 0, dtype=torch.float32, device=self.device), {}
+        if self.workers is not None:
+            try:
+                return self.forward(inp, kv_caches)
+            except Exception as exc:  # the others may wait in a collective this rank never reaches: fatal
+                raise self.workers.fatal(exc) from exc
         shards = self._num_shards(inp)
         if shards > 1:
             return self._split_decode(inp, kv_caches, shards), {}
+        return self.forward(inp, kv_caches)
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput, kv_caches: list[KVCache],
+                ) -> tuple[Optional[torch.Tensor], dict[str, Optional[torch.Tensor]]]:
+        """One forward of a prepared input; every rank runs it (logits are None except on rank 0)."""
+        inp = inp.to(self.device)
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.meta)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_rows, vocab]
         prompt_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in inp.prompt_rows.items()}
@@ -151,7 +189,7 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             cached_table = None
             if start > 0:  # the prefix cache holds tokens [0, start): attention reads them back from the blocks
-                cached_table = torch.tensor(table[: (end + bs - 1) // bs], dtype=torch.int32, device=self.device)
+                cached_table = torch.tensor(table[: (end + bs - 1) // bs], dtype=torch.int32, device=self._input_device)
             spans.append(PrefillSpan(offset, len(tokens), end, cached_table))
             if logits_row is not None:
                 logits_indices[logits_row] = len(tokens) - 1
@@ -175,7 +213,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots, torch.int64),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
-            prefill_bias=make_prefill_bias(spans) if self.device.type == "cuda" else None,
+            prefill_bias=make_prefill_bias(spans) if self._input_device.type == "cuda" else None,
         )
         if decode_rows:
             width = max(len(t) for t in decode_tables)
@@ -191,7 +229,7 @@ class ModelRunner:
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+        return t.to(self._input_device, non_blocking=True) if self._input_device.type != "cpu" else t
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -5,7 +5,8 @@
 #   PYTHON=/opt/torch/.venv/bin/python3 bash scripts/gpu_check.sh
 #
 # In order: build the kernels (device=cuda must get the compiled CUDA backend), tests/kernels on CUDA,
-# the engine-level CUDA tests (tests/e2e/test_cuda_engine.py, tests/model), greedy parity of the
+# the engine-level CUDA tests (tests/e2e/test_cuda_engine.py, tests/model, and
+# tests/e2e/test_tensor_parallel.py: NCCL with a world of one), greedy parity of the
 # default model with HF on the GPU, benchmarks/kernels.py (paged decode vs SDPA over a contiguous cache,
 # batch 1..256 x context 128..4096), benchmarks/throughput.py on a 1B-class random-weight Llama vs HF
 # generate. About 6 to 8 minutes on an H100. Exit status 1 if any step failed; the report says which.
@@ -96,13 +97,13 @@ print('ops backend:', backend.value)"
 
 if [ "$cpu_mode" = 1 ]; then
   step kernel-tests pytest tests/kernels/test_backend.py tests/kernels/test_attention.py -k "backend or refuse or edge"
-  step engine-cuda-tests pytest tests/e2e/test_cuda_engine.py tests/model/test_cache_engine.py
+  step engine-cuda-tests pytest tests/e2e/test_cuda_engine.py tests/e2e/test_tensor_parallel.py tests/model/test_cache_engine.py
   step default-model-parity pytest tests/e2e/test_parity.py -k tiny_llama
   step kernel-bench "$python" benchmarks/kernels.py --device cpu --batches 1 --contexts 128 --min-time 0.01 \
     --out "$work/kernels.json"
 else
   step kernel-tests pytest tests/kernels
-  step engine-cuda-tests pytest tests/e2e/test_cuda_engine.py tests/model
+  step engine-cuda-tests pytest tests/e2e/test_cuda_engine.py tests/e2e/test_tensor_parallel.py tests/model
   step default-model-parity pytest tests/e2e/test_parity.py -k default_model
   step kernel-bench "$python" benchmarks/kernels.py --device cuda --full --out "$work/kernels.json"
 fi

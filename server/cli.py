@@ -65,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default="hermes", choices=list(PARSERS),
                        help="how tool calls are written in the model's output (server/tools.py)")
-    serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="ranks that each hold 1/N of the model (torch.distributed: gloo on CPU, NCCL on CUDA); "
+                            "started here, or by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: rank 0 "
+                            "serves HTTP)")
+    serve.add_argument("--distributed-timeout", type=float, default=120.0,
+                       help="seconds the tensor-parallel ranks wait for each other to start, and in any collective")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="accepted for vLLM compatibility; no effect yet: every step runs eagerly (no CUDA "
                             "graphs, no compiled decode step)")
@@ -89,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
-        tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -97,15 +103,19 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.async_engine import AsyncLLMEngine
+    from engine.distributed import StartupError, torchrun_env
     from server.app import create_app
 
     try:
         chat_template = _read_chat_template(args.chat_template)
         config = config_from_args(args)
+        launch = torchrun_env()
+        if launch is not None and launch[0] != 0:  # a torchrun rank other than 0: no HTTP, the worker loop
+            return _serve_as_worker(config, *launch)
         engine = AsyncLLMEngine.from_config(
             config, log_stats=not args.disable_log_stats, stats_interval_s=args.log_stats_interval
         )
-    except ValueError as exc:  # a flag that cannot work: say which, do not print a traceback
+    except (ValueError, StartupError) as exc:  # a flag or a launch that cannot work: say why, no traceback
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -140,6 +150,17 @@ def serve(args: argparse.Namespace) -> int:
         logger.error("exiting with status 1: the engine stopped (%s)", engine.unavailable_reason)
         return 1
     return 0
+
+
+def _serve_as_worker(config: EngineConfig, rank: int, world: int) -> int:
+    """Rank `rank` of a torchrun launch: hold this rank's shard and follow rank 0's steps until it stops."""
+    from engine.tp_workers import run_worker
+
+    if world != config.tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} does not match WORLD_SIZE {world}.")
+    logger.info("tensor-parallel rank %d of %d: following rank 0's steps (no HTTP here)", rank, world)
+    return run_worker(config, rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                      int(os.environ.get("MASTER_PORT", "29500")))
 
 
 def _read_chat_template(value: Optional[str]) -> Optional[str]:

@@ -9,6 +9,7 @@ from torch import nn
 
 from engine import ops
 from engine.attention import Attention, AttentionMetadata, KVCache
+from engine.distributed import TPGroup
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -52,6 +53,16 @@ class ModelArgs:
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             layer_windows=sliding_windows(c),
         )
+
+    def check_tensor_parallel(self, world_size: int) -> None:
+        """ValueError, at startup, when the model cannot be split evenly over world_size ranks (Megatron-style:
+        each rank holds 1/N of the heads, key/value heads, MLP columns and vocabulary)."""
+        sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                 "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
+        bad = [f"{name} ({n})" for name, n in sizes.items() if n % world_size]
+        if bad:
+            raise ValueError(f"--tensor-parallel-size {world_size} must divide the model's {', '.join(bad)}: "
+                             "each rank holds an equal share of them. Choose a size that divides them.")
 
 
 def sliding_windows(c) -> tuple[Optional[int], ...]:
@@ -126,16 +137,20 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """Self-attention over this rank's heads: qkv_proj column-parallel, o_proj row-parallel (+ all-reduce)."""
+
     def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 sliding_window: Optional[int]) -> None:
+                 sliding_window: Optional[int], tp: TPGroup) -> None:
         super().__init__()
-        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.tp = tp
+        self.heads, self.kv_heads = a.num_heads // tp.world_size, a.num_kv_heads // tp.world_size
+        self.head_dim = a.head_dim
+        self.q_size, self.kv_size = self.heads * a.head_dim, self.kv_heads * a.head_dim
         # q, k and v in one matmul: fewer, larger GEMMs are faster on CPU and GPU alike.
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias, dtype=dtype)
         self.rotary = rotary
-        self.attn = Attention(a.num_heads, a.num_kv_heads, a.head_dim, scale=a.head_dim**-0.5,
+        self.attn = Attention(self.heads, self.kv_heads, a.head_dim, scale=a.head_dim**-0.5,
                               sliding_window=sliding_window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache],
@@ -148,30 +163,33 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.view(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))  # each rank's heads' share, summed
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, a: ModelArgs, dtype: torch.dtype) -> None:
+    """SwiGLU over this rank's columns: gate_up_proj column-parallel, down_proj row-parallel (+ all-reduce)."""
+
+    def __init__(self, a: ModelArgs, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
-        self.inter = a.intermediate_size
-        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias, dtype=dtype)
+        self.tp = tp
+        self.inter = a.intermediate_size // tp.world_size
+        self.gate_up_proj = nn.Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(self.inter, a.hidden_size, bias=a.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter]: gate | up
         act = ops.silu_and_mul(gate_up.new_empty(x.shape[0], self.inter), gate_up)
-        return self.down_proj(act)
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class LlamaBlock(nn.Module):
     def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 sliding_window: Optional[int]) -> None:
+                 sliding_window: Optional[int], tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window)
+        self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window, tp)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(a, dtype)
+        self.mlp = LlamaMLP(a, dtype, tp)
 
     def forward(
         self,
@@ -192,19 +210,28 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family decoder whose forward runs one flattened batch of tokens from many sequences."""
+    """A Llama-family decoder whose forward runs one flattened batch of tokens from many sequences.
 
-    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, max_len: Optional[int] = None) -> None:
+    Under tensor parallelism (tp.world_size N > 1) this is one rank's shard: 1/N of the heads, key/value heads
+    and MLP columns, and 1/N of the vocabulary in the embedding and the head; the norms are whole on every rank.
+    """
+
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32, max_len: Optional[int] = None,
+                 tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         a = self.args = ModelArgs.from_hf(hf_config)
+        self.tp = tp = tp or TPGroup.single()
+        a.check_tensor_parallel(tp.world_size)
+        self.vocab_start, self.vocab_end = tp.shard(a.vocab_size)
         self.dtype = dtype
         max_len = max_len or getattr(hf_config, "max_position_embeddings", 2048)
         inv_freq, scale = rope_inv_freq(hf_config, a.head_dim, max_len)
         self.rotary = RotaryEmbedding(inv_freq.to("cpu"), scale, max_len)
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype, w) for w in a.layer_windows)
+        local_vocab = self.vocab_end - self.vocab_start
+        self.embed_tokens = nn.Embedding(local_vocab, a.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype, w, tp) for w in a.layer_windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = nn.Linear(a.hidden_size, local_vocab, bias=False, dtype=dtype)
         self.tie_weights()
 
     @property
@@ -226,30 +253,62 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: Optional[list[KVCache]],  # one per layer; None to run without a cache (profiling)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] before the final norm; compute_logits finishes the rows asked for
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, kv_caches[i] if kv_caches is not None else None, meta)
         return x if residual is None else residual.add_(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] f32
-        return self.lm_head(self.norm(hidden)).float()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        if self.tp.world_size == 1:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its slice, zeros the others' rows; the sum has them all.
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # [num_tokens]
+        local_ids = (input_ids - self.vocab_start).clamp_(0, self.vocab_end - self.vocab_start - 1)
+        x = self.embed_tokens(local_ids)
+        x.mul_(mine.unsqueeze(1).to(x.dtype))
+        return self.tp.all_reduce(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """[num_rows, hidden] -> [num_rows, vocab] float32 on rank 0 (the ranks' vocab slices gathered); None on
+        the other ranks, which only take part."""
+        return self.tp.gather_cols(self.lm_head(self.norm(hidden)).float())
 
     # ---- weights -------------------------------------------------------------------------------------------
     def _fused_targets(self, name: str) -> Optional[tuple[str, int, int]]:
-        """HF name -> (our fused param, row offset, rows) for q/k/v and gate/up; None for a plain name."""
-        a = self.args
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        """HF name -> (our fused param, row offset, rows) for q/k/v and gate/up, this rank's sizes; None for a
+        plain name."""
+        a, n = self.args, self.tp.world_size
+        q, kv, inter = a.num_heads * a.head_dim // n, a.num_kv_heads * a.head_dim // n, a.intermediate_size // n
         shards = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
             "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
             "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, a.intermediate_size),
-            "mlp.up_proj": ("mlp.gate_up_proj", a.intermediate_size, a.intermediate_size),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
         }
         for hf_part, (ours, offset, rows) in shards.items():
             if f".{hf_part}." in name:
                 return name.replace(hf_part, ours), offset, rows
         return None
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a whole checkpoint tensor (our param name; the tensor itself at world_size 1).
+
+        Column-parallel (q/k/v, gate/up, the vocab of embedding and head): rows split. Row-parallel (o_proj,
+        down_proj): columns split, and the bias kept by rank 0 alone, so the all-reduce adds it once."""
+        tp = self.tp
+        if tp.world_size == 1:
+            return tensor
+        if name.endswith(("o_proj.bias", "down_proj.bias")):
+            return tensor if tp.is_driver else torch.zeros_like(tensor)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            start, end = tp.shard(tensor.shape[1])
+            return tensor[:, start:end]
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "gate_up_proj.bias")) \
+                or name in ("embed_tokens.weight", "lm_head.weight"):
+            start, end = tp.shard(tensor.shape[0])
+            return tensor[start:end]
+        return tensor  # norms: whole on every rank
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -263,9 +322,11 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             fused = self._fused_targets(name)
-            name, offset, rows = fused if fused is not None else (name, 0, tensor.shape[0])
+            name, offset = fused[:2] if fused is not None else (name, 0)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}.")
+            tensor = self._shard(name, tensor)
+            rows = tensor.shape[0]
             params[name][offset : offset + rows].copy_(tensor)
             rows_loaded[name] += rows
         missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
@@ -274,10 +335,39 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights (benchmarks of big architectures with nothing to download); norms start at one."""
+        """Random weights (benchmarks of big architectures with nothing to download); norms start at one.
+        The whole model's tensors are drawn and then sharded, so every tensor-parallel size runs the same model."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        for name, p in self.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02))
+
+        def tensors() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, shape in self._checkpoint_shapes():
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    yield name, torch.ones(shape)
+                else:
+                    yield name, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
+
+        self.load_weights(tensors())
+
+    def _checkpoint_shapes(self) -> Iterable[tuple[str, tuple[int, ...]]]:
+        """(HF name, whole shape) of every checkpoint tensor of this architecture."""
+        a = self.args
+        h, q, kv, inter = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        yield "embed_tokens.weight", (a.vocab_size, h)
+        for i in range(a.num_layers):
+            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            yield f"layers.{i}.input_layernorm.weight", (h,)
+            yield f"layers.{i}.post_attention_layernorm.weight", (h,)
+            for part, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                yield f"{attn}{part}.weight", (rows, h)
+                if a.qkv_bias:
+                    yield f"{attn}{part}.bias", (rows,)
+            yield f"{attn}o_proj.weight", (h, q)
+            if a.o_bias:
+                yield f"{attn}o_proj.bias", (h,)
+            for part, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                yield f"{mlp}{part}.weight", shape
+                if a.mlp_bias:
+                    yield f"{mlp}{part}.bias", shape[:1]
+        yield "norm.weight", (h,)
+        if not a.tie_word_embeddings:
+            yield "lm_head.weight", (a.vocab_size, h)

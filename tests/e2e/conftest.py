@@ -4,16 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from e2e_helpers import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, assert_all_blocks_free, greedy
+from e2e_helpers import MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, ROOMY, assert_all_blocks_free, greedy
 
 # On 2 shared cores OpenMP threads spin against other processes: one thread runs
 # both our engine and the HF reference several times faster there.
 torch.set_num_threads(1)
 
-# What every e2e engine gets unless a test asks otherwise: a roomy pool, so nothing is preempted, and
-# float32, the dtype of the HF references (and of dtype auto on CPU).
-ROOMY = dict(num_gpu_blocks_override=512, num_cpu_blocks_override=64, block_size=16, max_model_len=MAX_MODEL_LEN,
-             dtype="float32")
 
 _LLMS: dict[tuple, object] = {}
 

@@ -10,6 +10,10 @@ from engine.sampling_params import SamplingParams
 MAX_TOKENS = 16
 # Just above the longest prompt plus MAX_TOKENS: a pressured cache can hold little more than one sequence.
 MAX_MODEL_LEN = 80
+# What every e2e engine gets unless a test asks otherwise: a roomy pool, so nothing is preempted, and
+# float32, the dtype of the HF references (and of dtype auto on CPU).
+ROOMY = dict(num_gpu_blocks_override=512, num_cpu_blocks_override=64, block_size=16, max_model_len=MAX_MODEL_LEN,
+             dtype="float32")
 
 # Real text of different lengths; the first is a single token, the last crosses several 16-token blocks.
 PROMPTS = [

@@ -1,0 +1,124 @@
+"""Tensor parallelism on CPU (gloo, two spawned ranks): the tokens of one rank, whatever the sampling, under
+preemption by swap and with prefix caching."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from e2e_helpers import MAX_MODEL_LEN, ROOMY, assert_all_blocks_free, blocks_for, greedy, seeded_pair, token_ids
+from engine.sampling_params import SamplingParams
+
+# Room for two sequences at full length: the mixed batch below is preempted by swap, and the shared prefix of
+# its prompts is cached.
+PRESSURED = dict(ROOMY, num_gpu_blocks_override=2 * blocks_for(MAX_MODEL_LEN) + 1, preemption_mode="swap",
+                 enable_prefix_caching=True)
+MAX_TOKENS = 12
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_llama_dir):
+    """The tiny Llama (4 heads, 2 key/value heads) on one rank and on two, same config."""
+    from engine import LLM
+
+    made = {}
+    try:
+        for size in (1, 2):
+            made[size] = LLM(model=str(tiny_llama_dir), tensor_parallel_size=size, **PRESSURED)
+        yield made
+    finally:
+        for llm in made.values():
+            llm.shutdown()
+
+
+def _requests(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Every prompt greedy with logprobs, seeded n=2, and beam search; half of them behind a shared prefix."""
+    shared = prompt_ids[-1][:40]  # 2.5 blocks that several prompts start with: the prefix cache serves them
+    prompts, params = [], []
+    for i, ids in enumerate(prompt_ids):
+        prompt = shared + ids if i % 2 else ids
+        prompt = prompt[: MAX_MODEL_LEN - MAX_TOKENS]
+        prompts += [prompt, prompt, prompt]
+        params += [greedy(MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+                   seeded_pair(MAX_TOKENS, ignore_eos=True),
+                   SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS)]
+    return prompts, params
+
+
+def _logprobs(output) -> list[float]:
+    """The sampled token's logprob at each step of the first completion, then the prompt's."""
+    c = output.outputs[0]
+    sampled = [step[token] for step, token in zip(c.logprobs, c.token_ids)]
+    prompt = [next(iter(d.values())) for d in (output.prompt_logprobs or []) if d]
+    return sampled + prompt
+
+
+def test_two_ranks_give_the_tokens_of_one(llms, prompt_ids):
+    prompts, params = _requests(prompt_ids)
+    outputs = {}
+    for size, llm in llms.items():
+        before = llm.engine.get_stats()
+        outputs[size] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        stats = llm.engine.get_stats()
+        assert stats.num_preemptions_swap > before.num_preemptions_swap, f"TP={size} never swapped"
+        assert stats.prefix_cache_hit_rate > 0, f"TP={size}: no prefix cache hit"
+        assert all(o.error is None for o in outputs[size])
+        assert_all_blocks_free(llm.engine)
+
+    one, two = outputs[1], outputs[2]
+    assert token_ids(two) == token_ids(one)
+    assert [[c.finish_reason for c in o.outputs] for o in two] == [[c.finish_reason for c in o.outputs] for o in one]
+    for a, b in zip(one, two):
+        if a.outputs[0].logprobs:  # greedy: sampled and prompt logprobs within 1e-3 (float32)
+            assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-3
+        assert all(abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-3 for x, y in zip(a.outputs, b.outputs))
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_llama_dir):
+    from engine import LLM
+
+    with pytest.raises(ValueError, match=r"tensor-parallel-size 3 must divide .*num_attention_heads \(4\)"):
+        LLM(model=str(tiny_llama_dir), tensor_parallel_size=3, **ROOMY)
+
+
+
+NCCL_SCRIPT = """
+import json, sys, torch.distributed as dist
+from engine import LLM
+from engine.sampling_params import SamplingParams
+llm = LLM(model=sys.argv[1], device="cuda", dtype="float32", max_model_len=80, num_gpu_blocks_override=64)
+out = llm.generate(prompt_token_ids=json.loads(sys.argv[2]), use_tqdm=False,
+                   sampling_params=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+print(json.dumps({"backend": dist.get_backend(), "tokens": [o.outputs[0].token_ids for o in out]}))
+llm.shutdown()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_nccl_world_of_one_gives_the_tokens_of_no_group(make_llm, tiny_llama_hd64_dir, prompt_ids):
+    """A torchrun-style launch of one rank on the GPU: the model's all-reduces and its logits gather run
+    through NCCL, and the tokens are those of the engine without a group."""
+    port = str(free_port())
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port}
+    run = subprocess.run([sys.executable, "-c", NCCL_SCRIPT, str(tiny_llama_hd64_dir), json.dumps(prompt_ids)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["backend"] == "nccl"
+    reference = make_llm("tiny64", device="cuda").generate(
+        prompt_token_ids=prompt_ids, sampling_params=greedy(12, ignore_eos=True), use_tqdm=False)
+    assert got["tokens"] == [o.outputs[0].token_ids for o in reference]
