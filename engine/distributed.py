@@ -113,16 +113,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def init_tp_group(rank: int, world_size: int, device: torch.device, addr: str, port: int,
-                  timeout_s: float) -> TPGroup:
+                  timeout_s: float, from_env: bool = False) -> TPGroup:
     """Join the group as `rank`: rank 0 listens on addr:port, the others connect there; every rank waits at
-    most timeout_s for the rest (StartupError then, naming the address). Also each collective's time limit."""
+    most timeout_s for the rest (StartupError then, naming the address). Also each collective's time limit.
+
+    from_env: a torchrun launch; its agent may already hold the store at MASTER_ADDR:MASTER_PORT, which
+    torch's env:// rendezvous then joins (TORCHELASTIC_USE_AGENT_STORE) instead of listening there again."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=world_size, rank=rank,
-                                timeout=timeout)
+        init_method = "env://" if from_env else f"tcp://{addr}:{port}"
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
         # A second group, gloo on either device, for the step broadcast (a CPU object) and its idle waits.
         step_group = dist.new_group(backend="gloo", timeout=_IDLE_WAIT)
     except Exception as exc:  # torch raises RuntimeError / DistStoreError / DistNetworkError with long texts

@@ -90,7 +90,7 @@ class TPWorkers:
                 p.start()
                 processes.append(p)
         try:
-            tp = init_tp_group(0, world, device, addr, port, config.distributed_timeout)
+            tp = init_tp_group(0, world, device, addr, port, config.distributed_timeout, from_env=env is not None)
         except BaseException:
             _end(processes, timeout_s=0.0)
             raise
@@ -151,9 +151,9 @@ def _end(processes: list, timeout_s: float = _JOIN_TIMEOUT_S) -> None:
             p.join()
 
 
-def run_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int) -> int:
+def run_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int, from_env: bool = False) -> int:
     """The loop of ranks 1..N-1: build this rank's shard and cache, then run each step the driver broadcasts
-    until the stop message (0) or until the driver is gone (1)."""
+    until the stop message (0) or until the driver is gone (1). from_env: a torchrun launch."""
     from engine import ops
     from engine.loader import resolve_device
     from engine.worker import RankState
@@ -162,7 +162,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world))
     ops.require_backend(device)
-    tp = init_tp_group(rank, world, device, addr, port, config.distributed_timeout)
+    tp = init_tp_group(rank, world, device, addr, port, config.distributed_timeout, from_env)
     try:
         state = RankState.build(config, tp)
         cache, runner = state.cache_engine, state.runner
@@ -173,6 +173,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int
                 logger.error("tensor-parallel rank %d: the driver is gone (%s); exiting", rank, exc)
                 return 1
             if msg.stop:
+                logger.info("tensor-parallel rank %d: stopped by the driver", rank)
                 return 0
             cache.swap(msg.blocks_to_swap_out, msg.blocks_to_swap_in)
             cache.copy(msg.blocks_to_copy)

@@ -159,8 +159,12 @@ def _serve_as_worker(config: EngineConfig, rank: int, world: int) -> int:
     if world != config.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} does not match WORLD_SIZE {world}.")
     logger.info("tensor-parallel rank %d of %d: following rank 0's steps (no HTTP here)", rank, world)
+    # torchrun forwards SIGTERM/SIGINT to every rank: rank 0 drains its requests first, then stops this one (or
+    # its sockets close when it exits), so the requests in flight are not lost to a rank that left first.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     return run_worker(config, rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      int(os.environ.get("MASTER_PORT", "29500")))
+                      int(os.environ.get("MASTER_PORT", "29500")), from_env=True)
 
 
 def _read_chat_template(value: Optional[str]) -> Optional[str]:

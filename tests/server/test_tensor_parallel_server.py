@@ -73,6 +73,15 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _assert_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    """Every one of pids exits within timeout_s (multiprocessing's resource tracker leaves just after its parent)."""
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {p: pathlib.Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in pids if _alive(p)}
+    assert left == {}, "processes outlived the server"
+
+
 def _rank_processes(server_pid: int) -> list[int]:
     """The spawned ranks among the server's children (not multiprocessing's resource tracker)."""
     ranks = []
@@ -157,10 +166,7 @@ def test_sigterm_ends_every_rank(spawned_server):
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in family) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert [p for p in family if _alive(p)] == [], "processes outlived the server"
+    _assert_gone(family)
 
 
 def test_a_rank_killed_mid_stream_fails_its_requests_and_stops_the_server(spawned_server):
@@ -196,7 +202,7 @@ def test_a_rank_killed_mid_stream_fails_its_requests_and_stops_the_server(spawne
     with pytest.raises((httpx.HTTPError, AssertionError)):
         assert httpx.get(base + "/health", timeout=2).status_code == 200
     assert proc.wait(timeout=30) == 1, log.read_text()[-3000:]
-    assert [p for p in family if _alive(p)] == []
+    _assert_gone(family)
 
 
 def _failed_start(tiny_llama_dir, tmp_path, env: dict, *extra: str) -> tuple[int, str, float]:
