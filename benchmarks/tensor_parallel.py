@@ -4,7 +4,7 @@
    time the all-reduce of a [rows, hidden] float32 activation and the logits gather of [rows, vocab / 2], at
    the row counts of a decode step (1, 8, 32) and of a prompt chunk (512). A step of the Llama family runs
    2 * layers + 1 all-reduces (o_proj and down_proj of each layer, the vocab-parallel embedding) and one
-   gather: their sum is the step's communication cost.
+   gather, after one broadcast of the step's input (timed too): their sum is the step's communication cost.
 2. Served: `pagedserve serve --tensor-parallel-size N` for N = 1, 2 on the same random-weight model, then
    benchmarks/serving.py at each concurrency of --sweep (N = max(4, 2C) requests, 128 prompt and 128 output
    tokens, EOS ignored): output tok/s, TTFT and ITL.
@@ -64,17 +64,21 @@ def _rank(rank: int, port: int, min_time: float, queue) -> None:
         parts = [torch.empty_like(logits) for _ in range(2)] if rank == 0 else None
         for name, op in (("all_reduce", lambda: dist.all_reduce(x)),
                          ("gather_logits", lambda: dist.gather(logits, parts, dst=0))):
-            for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(10):
                 op()
-            n, t0 = 0, time.perf_counter()
-            while True:  # both ranks run the same count: rank 0 decides when to stop
+            # Both ranks must run the same count: rank 0's estimate from the warm-up decides it.
+            n = torch.tensor([max(10, int(min_time / ((time.perf_counter() - t0) / 10)))])
+            dist.broadcast(n, src=0)
+            t0 = time.perf_counter()
+            for _ in range(int(n.item())):
                 op()
-                n += 1
-                flag = torch.tensor([1 if rank == 0 and time.perf_counter() - t0 > min_time else 0])
-                dist.broadcast(flag, src=0)
-                if flag.item():
-                    break
-            results[f"{name}/{rows}"] = (time.perf_counter() - t0) / n  # includes one tiny broadcast per call
+            results[f"{name}/{rows}"] = (time.perf_counter() - t0) / int(n.item())
+        payload = {"inp": list(range(rows)), "tables": [[0] * 8] * rows}  # about a decode step's broadcast
+        t0 = time.perf_counter()
+        for _ in range(20):
+            dist.broadcast_object_list([payload if rank == 0 else None], src=0)
+        results[f"broadcast_step/{rows}"] = (time.perf_counter() - t0) / 20
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
@@ -98,11 +102,12 @@ def collectives(min_time: float) -> dict:
     table = {}
     for rows in ROWS:
         ar, gather = results[f"all_reduce/{rows}"], results[f"gather_logits/{rows}"]
-        table[rows] = {"all_reduce_us": ar * 1e6, "gather_logits_us": gather * 1e6,
-                       "per_step_ms": ((2 * layers + 1) * ar + gather) * 1e3}
+        bcast = results[f"broadcast_step/{rows}"]
+        table[rows] = {"all_reduce_us": ar * 1e6, "gather_logits_us": gather * 1e6, "broadcast_step_us": bcast * 1e6,
+                       "per_step_ms": ((2 * layers + 1) * ar + gather + bcast) * 1e3}
         print(f"rows {rows:4d}: all-reduce [{rows}, {SHAPE['hidden_size']}] {ar * 1e6:7.1f} us, logits gather "
-              f"[{rows}, {SHAPE['vocab_size'] // 2}] x2 {gather * 1e6:8.1f} us; per step "
-              f"({2 * layers + 1} all-reduces + 1 gather) {table[rows]['per_step_ms']:.2f} ms")
+              f"[{rows}, {SHAPE['vocab_size'] // 2}] x2 {gather * 1e6:8.1f} us, step broadcast {bcast * 1e6:7.1f} us;"
+              f" per step ({2 * layers + 1} all-reduces + 1 gather + 1 broadcast) {table[rows]['per_step_ms']:.2f} ms")
     return table
 
 
