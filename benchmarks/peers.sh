@@ -24,7 +24,9 @@ LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}
 LLAMA=$CACHE/llama.cpp-$LLAMA_CPP_PYTHON
 SERVER=$LLAMA/build/bin/llama-server
-export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
+# OpenMP: neither variable set, so pagedserve applies its default (server/cli.py) and llama-server libgomp's
+# (the same spin count); an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment applies to both.
+export HF_HUB_OFFLINE=1
 mkdir -p "$OUT" "$LLAMA"
 part() { [[ $PARTS == *" $1 "* ]]; }
 gguf_type() { case $1 in bfloat16) echo bf16 ;; float32) echo f32 ;; *) echo "unknown dtype $1" >&2; exit 2 ;; esac; }

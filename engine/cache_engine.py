@@ -29,11 +29,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, num_kv_heads, block_
 
 def kv_shape(hf_config, tp_size: int = 1) -> tuple[int, int, int]:
     """(layers, key/value heads, head size) of one rank's KV cache: under tensor parallelism each of the
-    tp_size ranks holds its share of the key/value heads."""
+    tp_size ranks holds its share of the key/value heads (one head when they are fewer than the ranks)."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return hf_config.num_hidden_layers, kv_heads // tp_size, head_size
+    return hf_config.num_hidden_layers, max(1, kv_heads // tp_size), head_size  # one replicated head when N > kv
 
 
 def cache_block_bytes(block_size: int, hf_config, dtype: torch.dtype, tp_size: int = 1) -> int:

@@ -123,6 +123,9 @@ def init_tp_group(rank: int, world_size: int, device: torch.device, addr: str, p
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    if dist.is_initialized():  # torch allows one default group per process: one tensor-parallel engine
+        raise StartupError("tensor parallelism: this process already holds a tensor-parallel group (another "
+                           "engine with --tensor-parallel-size > 1); shut that one down first.")
     try:
         init_method = "env://" if from_env else f"tcp://{addr}:{port}"
         dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)

@@ -20,11 +20,12 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # 64 entries fill within seconds; building a primitive on a miss costs nothing measurable next to the GEMM.
 # Both are read once, when the first primitive is built: set before the model loads; an explicit setting wins.
 NATIVE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
-# OpenMP threads that spin at barriers (libgomp's default) steal the core from the thread still working as
-# soon as anything else runs (the event loop, a client): decode steps 5-10x slower on 2 cores; passive
-# waiting keeps them at the one-thread speed or better (docs/benchmarks.md). libgomp reads it once, when
-# torch loads it, so it is set before torch is imported; an explicit setting wins.
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# libgomp's idle worker threads spin up to GOMP_SPINCOUNT iterations (300000: ~3 ms) before they sleep. A step
+# opens ~150 parallel regions: threads that sleep between them pay a wake-up at each (served float32 on 2
+# cores: 1.24-1.39x the tokens/s spinning, docs/benchmarks.md "OpenMP threads"). libgomp reads it once, when
+# torch loads it, so it is set before torch is imported; either variable set by the user wins (PASSIVE: sleep
+# at once, for a machine shared with other busy processes).
+OPENMP_SPIN = {"GOMP_SPINCOUNT": "300000"}
 logger = logging.getLogger("pagedserve")
 
 
@@ -201,8 +202,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for name, value in {**NATIVE_CACHE_ENV, **OPENMP_ENV}.items():
+    for name, value in NATIVE_CACHE_ENV.items():
         os.environ.setdefault(name, value)
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ.update(OPENMP_SPIN)
     if args.command == "serve":
         return serve(args)
     return 2

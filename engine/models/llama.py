@@ -10,6 +10,7 @@ from torch import nn
 from engine import ops
 from engine.attention import Attention, AttentionMetadata, KVCache
 from engine.distributed import TPGroup
+import engine.models.llama_weights as llama_weights
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -57,12 +58,19 @@ class ModelArgs:
     def check_tensor_parallel(self, world_size: int) -> None:
         """ValueError, at startup, when the model cannot be split evenly over world_size ranks (Megatron-style:
         each rank holds 1/N of the heads, key/value heads, MLP columns and vocabulary)."""
-        sizes = {"num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-                 "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size}
+        sizes = {"num_attention_heads": self.num_heads, "intermediate_size": self.intermediate_size,
+                 "vocab_size": self.vocab_size}
         bad = [f"{name} ({n})" for name, n in sizes.items() if n % world_size]
+        if self.num_kv_heads % world_size and world_size % self.num_kv_heads:
+            bad.insert(1, f"num_key_value_heads ({self.num_kv_heads}; or be a multiple of it)")
         if bad:
             raise ValueError(f"--tensor-parallel-size {world_size} must divide the model's {', '.join(bad)}: "
                              "each rank holds an equal share of them. Choose a size that divides them.")
+
+    def local_kv_heads(self, world_size: int) -> int:
+        """Key/value heads each rank holds: its share, or one replicated head when the ranks outnumber them
+        (vLLM's rule): ranks r * N / kv_heads ... hold key/value head r."""
+        return max(1, self.num_kv_heads // world_size)
 
 
 def sliding_windows(c) -> tuple[Optional[int], ...]:
@@ -143,7 +151,7 @@ class LlamaAttention(nn.Module):
                  sliding_window: Optional[int], tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
-        self.heads, self.kv_heads = a.num_heads // tp.world_size, a.num_kv_heads // tp.world_size
+        self.heads, self.kv_heads = a.num_heads // tp.world_size, a.local_kv_heads(tp.world_size)
         self.head_dim = a.head_dim
         self.q_size, self.kv_size = self.heads * a.head_dim, self.kv_heads * a.head_dim
         # q, k and v in one matmul: fewer, larger GEMMs are faster on CPU and GPU alike.
@@ -273,101 +281,11 @@ class LlamaForCausalLM(nn.Module):
         the other ranks, which only take part."""
         return self.tp.gather_cols(self.lm_head(self.norm(hidden)).float())
 
-    # ---- weights -------------------------------------------------------------------------------------------
-    def _fused_targets(self, name: str) -> Optional[tuple[str, int, int]]:
-        """HF name -> (our fused param, row offset, rows) for q/k/v and gate/up, this rank's sizes; None for a
-        plain name."""
-        a, n = self.args, self.tp.world_size
-        q, kv, inter = a.num_heads * a.head_dim // n, a.num_kv_heads * a.head_dim // n, a.intermediate_size // n
-        shards = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-        }
-        for hf_part, (ours, offset, rows) in shards.items():
-            if f".{hf_part}." in name:
-                return name.replace(hf_part, ours), offset, rows
-        return None
-
-    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a whole checkpoint tensor (our param name; the tensor itself at world_size 1).
-
-        Column-parallel (q/k/v, gate/up, the vocab of embedding and head): rows split. Row-parallel (o_proj,
-        down_proj): columns split, and the bias kept by rank 0 alone, so the all-reduce adds it once."""
-        tp = self.tp
-        if tp.world_size == 1:
-            return tensor
-        if name.endswith(("o_proj.bias", "down_proj.bias")):
-            return tensor if tp.is_driver else torch.zeros_like(tensor)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            start, end = tp.shard(tensor.shape[1])
-            return tensor[:, start:end]
-        if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "gate_up_proj.bias")) \
-                or name in ("embed_tokens.weight", "lm_head.weight"):
-            start, end = tp.shard(tensor.shape[0])
-            return tensor[start:end]
-        return tensor  # norms: whole on every rank
-
-    @torch.no_grad()
+    # ---- weights (engine/models/llama_weights.py) ---------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF state-dict tensors (model.layers.N.self_attn.q_proj.weight, ...) into our fused params."""
-        params = dict(self.named_parameters())
-        rows_loaded = dict.fromkeys(params, 0)
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
-                continue
-            name = hf_name.removeprefix("model.")
-            if name == "lm_head.weight" and self.args.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            fused = self._fused_targets(name)
-            name, offset = fused[:2] if fused is not None else (name, 0)
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}.")
-            tensor = self._shard(name, tensor)
-            rows = tensor.shape[0]
-            params[name][offset : offset + rows].copy_(tensor)
-            rows_loaded[name] += rows
-        missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
-        if missing:
-            raise ValueError(f"checkpoint is missing or duplicates tensors for {len(missing)} params, e.g. {missing[:3]}.")
+        llama_weights.load_weights(self, weights)
 
-    @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights (benchmarks of big architectures with nothing to download); norms start at one.
-        The whole model's tensors are drawn and then sharded, so every tensor-parallel size runs the same model."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-
-        def tensors() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, shape in self._checkpoint_shapes():
-                if name.endswith("layernorm.weight") or name == "norm.weight":
-                    yield name, torch.ones(shape)
-                else:
-                    yield name, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
-
-        self.load_weights(tensors())
-
-    def _checkpoint_shapes(self) -> Iterable[tuple[str, tuple[int, ...]]]:
-        """(HF name, whole shape) of every checkpoint tensor of this architecture."""
-        a = self.args
-        h, q, kv, inter = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        yield "embed_tokens.weight", (a.vocab_size, h)
-        for i in range(a.num_layers):
-            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-            yield f"layers.{i}.input_layernorm.weight", (h,)
-            yield f"layers.{i}.post_attention_layernorm.weight", (h,)
-            for part, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                yield f"{attn}{part}.weight", (rows, h)
-                if a.qkv_bias:
-                    yield f"{attn}{part}.bias", (rows,)
-            yield f"{attn}o_proj.weight", (h, q)
-            if a.o_bias:
-                yield f"{attn}o_proj.bias", (h,)
-            for part, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                yield f"{mlp}{part}.weight", shape
-                if a.mlp_bias:
-                    yield f"{mlp}{part}.bias", shape[:1]
-        yield "norm.weight", (h,)
-        if not a.tie_word_embeddings:
-            yield "lm_head.weight", (a.vocab_size, h)
+        """Random weights (benchmarks of big architectures with nothing to download); norms start at one."""
+        llama_weights.init_dummy_weights(self, seed)

@@ -29,9 +29,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llms(tiny_llama_dir):
-    """The tiny Llama (4 heads, 2 key/value heads) on one rank and on two, same config."""
+    """The tiny Llama (4 heads, 2 key/value heads) on one rank and on two, same config (one tensor-parallel
+    engine per process: torch holds one default process group)."""
     from engine import LLM
 
     made = {}
@@ -85,6 +86,36 @@ def test_two_ranks_give_the_tokens_of_one(llms, prompt_ids):
         if a.outputs[0].logprobs:  # greedy: sampled and prompt logprobs within 1e-3 (float32)
             assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-3
         assert all(abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-3 for x, y in zip(a.outputs, b.outputs))
+
+
+def test_four_ranks_replicate_the_two_key_value_heads(make_llm, tiny_llama_dir, prompt_ids):
+    """N = 4 > 2 key/value heads: each rank holds the one its query heads read (vLLM's rule)."""
+    from engine import LLM
+
+    llm = LLM(model=str(tiny_llama_dir), tensor_parallel_size=4, **ROOMY)
+    try:
+        params = greedy(MAX_TOKENS, ignore_eos=True, logprobs=1)
+        four = llm.generate(prompt_token_ids=prompt_ids[:4], sampling_params=params, use_tqdm=False)
+        one = make_llm("tiny").generate(prompt_token_ids=prompt_ids[:4], sampling_params=params, use_tqdm=False)
+        assert token_ids(four) == token_ids(one)
+        assert max(abs(x - y) for a, b in zip(one, four) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-3
+        assert llm.engine.cache_engine.block_shape[0] == 1  # one key/value head per rank
+    finally:
+        llm.shutdown()
+
+
+def test_one_tensor_parallel_engine_per_process(tiny_llama_dir):
+    from engine import LLM
+    from engine.distributed import StartupError
+
+    first = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
+    try:
+        with pytest.raises(StartupError, match="already holds a tensor-parallel group"):
+            LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
+        out = first.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=greedy(4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4  # the first engine's group is untouched
+    finally:
+        first.shutdown()
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_llama_dir):
