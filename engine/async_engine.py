@@ -82,7 +82,8 @@ class AsyncLLMEngine:
     """Async front of an LLMEngine: requests and aborts go through a queue to one loop task."""
 
     def __init__(
-        self, engine: EngineCore, *, log_stats: bool = True, stats_interval_s: float = 5.0, step_thread_nice: int = 5
+        self, engine: EngineCore, *, log_stats: bool = True, stats_interval_s: float = 5.0, step_thread_nice: int = 5,
+        step_executor: Optional[ThreadPoolExecutor] = None,
     ) -> None:
         self.engine = engine  # only the loop task (and its executor thread) touches it
         self.metrics = Metrics(engine.config.model_name)
@@ -93,9 +94,8 @@ class AsyncLLMEngine:
         self._queue: Optional[asyncio.Queue] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="engine-step", initializer=_lower_priority, initargs=(step_thread_nice,)
-        )
+        # The one thread that computes; from_config also builds the engine in it (see there).
+        self._executor = step_executor or _step_executor(step_thread_nice)
         self._dead: Optional[BaseException] = None
         self._resetting = False
         self._fault_streak = 0  # steps that raised since the last one that did not (idle time between them too)
@@ -113,10 +113,20 @@ class AsyncLLMEngine:
             engine.on_fatal = self._fatal_from_thread
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kwargs: Any) -> "AsyncLLMEngine":
+    def from_config(cls, config: EngineConfig, *, step_thread_nice: int = 5, **kwargs: Any) -> "AsyncLLMEngine":
+        """Build the engine in the step thread, the thread every step then runs in. Loaded in the main thread and
+        stepped in this one, a decode step at batch 1 took ~1.4x as long (float32, 2 cores, OMP_WAIT_POLICY
+        PASSIVE: 33.7 against 23.3 ms; docs/benchmarks.md "OpenMP threads"): the OpenMP state the loading thread
+        leaves behind (libgomp keeps a worker pool per thread that opened a parallel region) slows the forward."""
         from engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine(config), **kwargs)
+        executor = _step_executor(step_thread_nice)
+        try:
+            engine = executor.submit(LLMEngine, config).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(engine, step_thread_nice=step_thread_nice, step_executor=executor, **kwargs)
 
     # -- read-only views (safe from the event loop: no engine state is touched) --
     @property
@@ -478,6 +488,11 @@ class AsyncLLMEngine:
     def __repr__(self) -> str:
         state = "dead" if self._dead else ("running" if self.is_running else "idle")
         return f"AsyncLLMEngine({self.config.model_name!r}, {state}, {len(self._streams)} in flight)"
+
+
+def _step_executor(nice: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step", initializer=_lower_priority,
+                              initargs=(nice,))
 
 
 def _lower_priority(nice: int) -> None:

@@ -20,12 +20,11 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # 64 entries fill within seconds; building a primitive on a miss costs nothing measurable next to the GEMM.
 # Both are read once, when the first primitive is built: set before the model loads; an explicit setting wins.
 NATIVE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
-# libgomp's idle worker threads spin up to GOMP_SPINCOUNT iterations (300000: ~3 ms) before they sleep. A step
-# opens ~150 parallel regions: threads that sleep between them pay a wake-up at each (served float32 on 2
-# cores: 1.24-1.39x the tokens/s spinning, docs/benchmarks.md "OpenMP threads"). libgomp reads it once, when
-# torch loads it, so it is set before torch is imported; either variable set by the user wins (PASSIVE: sleep
-# at once, for a machine shared with other busy processes).
-OPENMP_SPIN = {"GOMP_SPINCOUNT": "300000"}
+# libgomp's idle OpenMP workers sleep at once between parallel regions (PASSIVE) instead of spinning ~3 ms: on a
+# machine shared with other busy processes spinning threads steal their cores. Served on a quiet 2-core VM the two
+# measured within the noise of each other (docs/benchmarks.md, "OpenMP threads"). libgomp reads it once, when
+# torch loads it, so it is set before torch is imported; an OMP_WAIT_POLICY or GOMP_SPINCOUNT of the user wins.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 logger = logging.getLogger("pagedserve")
 
 
@@ -205,7 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, value in NATIVE_CACHE_ENV.items():
         os.environ.setdefault(name, value)
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ.update(OPENMP_SPIN)
+        os.environ.update(OPENMP_ENV)
     if args.command == "serve":
         return serve(args)
     return 2
