@@ -114,10 +114,11 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, step_thread_nice: int = 5, **kwargs: Any) -> "AsyncLLMEngine":
-        """Build the engine in the step thread, the thread every step then runs in. Loaded in the main thread and
-        stepped in this one, a decode step at batch 1 took ~1.4x as long (float32, 2 cores, OMP_WAIT_POLICY
-        PASSIVE: 33.7 against 23.3 ms; docs/benchmarks.md "OpenMP threads"): the OpenMP state the loading thread
-        leaves behind (libgomp keeps a worker pool per thread that opened a parallel region) slows the forward."""
+        """Build the engine in the step thread, the thread every step then runs in. libgomp keeps a pool of OpenMP
+        workers per thread that opened a parallel region, and once it manages more threads than there are cores it
+        cuts their spinning (GOMP_SPINCOUNT, server/cli.py) to ~1000 iterations: loaded in the main thread, the
+        engine left that thread's pool behind, and with spinning workers a decode step at batch 1 took 39.5 ms
+        instead of 24.5 (float32, 2 cores; docs/benchmarks.md "OpenMP threads")."""
         from engine.llm_engine import LLMEngine
 
         executor = _step_executor(step_thread_nice)

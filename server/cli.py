@@ -20,10 +20,11 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # 64 entries fill within seconds; building a primitive on a miss costs nothing measurable next to the GEMM.
 # Both are read once, when the first primitive is built: set before the model loads; an explicit setting wins.
 NATIVE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
-# libgomp's idle OpenMP workers sleep at once between parallel regions (PASSIVE) instead of spinning ~3 ms: on a
-# machine shared with other busy processes spinning threads steal their cores. Served on a quiet 2-core VM the two
-# measured within the noise of each other (docs/benchmarks.md, "OpenMP threads"). libgomp reads it once, when
-# torch loads it, so it is set before torch is imported; an OMP_WAIT_POLICY or GOMP_SPINCOUNT of the user wins.
+# libgomp's idle OpenMP workers sleep at once between parallel regions (PASSIVE). Spinning (GOMP_SPINCOUNT=300000,
+# ~3 ms) serves ~1.4x the tokens/s at one stream on a dedicated 2-core machine, but two busy servers sharing the
+# cores then serve 6x less each (docs/benchmarks.md, "OpenMP threads"): the safe default sleeps. libgomp reads it
+# once, when torch loads it, so it is set before torch is imported; an OMP_WAIT_POLICY or GOMP_SPINCOUNT of the
+# user wins.
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 logger = logging.getLogger("pagedserve")
 
