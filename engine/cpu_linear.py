@@ -8,16 +8,21 @@ docs/benchmarks.md ("Packed oneDNN linears").
 
 Invariants: the packed copies replace the original: pack_linears leaves an
 empty tensor of the same dtype in its place (in_features/out_features kept). A weight shared with another
-parameter, as a head tied to the embedding, is kept: the embedding still reads it. A packed linear serves
-CPU inputs of its own dtype only (RuntimeError otherwise), of any leading shape.
+parameter is kept, unless the other user is an nn.Embedding that can read the small-row copy (a tied head). A
+packed linear serves CPU inputs of its own dtype only (RuntimeError otherwise), of any leading shape.
 
 Small row counts (a decode step's few sequences) go to csrc/cpu/small_gemm.cpp instead: at 1 to SMALL_ROWS rows
 a linear is a matrix-vector product bound by reading the weights once, and oneDNN's GEMM, built for many rows,
 streamed them well under the memory's speed (docs/benchmarks.md, "Small-row linears"). That kernel reads its
-own copy of each weight, packed here (pack_small_rows): float32 weights are then held twice (both packed forms).
-bfloat16 weights on a CPU without AVX-512 BF16 are held once, in the small-row form only: that kernel serves
-every row count there (_small_rows_everywhere). PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count to oneDNN
-and makes no small-row copy.
+own copy of each weight, packed here (pack_small_rows). Where that kernel also matches oneDNN on many rows (its
+prefill tiles), it serves every row count and no oneDNN copy is made (_small_rows_everywhere): float32 on an
+AVX-512 CPU, and bfloat16 on a CPU without AVX-512 BF16 (where oneDNN widens bfloat16 itself and is slower).
+Elsewhere (float32 on an AVX2-only CPU, bfloat16 with native bf16 dot products) oneDNN keeps more than SMALL_ROWS
+rows and the weights are held twice. PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count to oneDNN and makes no
+small-row copy.
+
+A head tied to the embedding (SmolLM2) is held once: the embedding's rows are gathered from the head's small-row
+copy (_embed_from_packed_head), and both original weights are released.
 
 Use (the loader, once the weights are loaded):
 
@@ -78,22 +83,45 @@ def small_rows_available() -> bool:
 
 
 def _small_rows_everywhere(dtype: torch.dtype) -> bool:
-    """bfloat16 without vdpbf16ps (this CPU has no AVX-512 BF16): oneDNN then widens bfloat16 itself and was
-    slower than the small-row kernel at every row count, prefill included (docs/benchmarks.md), so that kernel
-    serves them all and the oneDNN copy is never made."""
-    return dtype == torch.bfloat16 and ops.small_gemm_isa() < ops.SMALL_GEMM_AVX512_BF16
+    """The small-row kernel serves every row count, prefill included, and no oneDNN copy is made.
+
+    Measured (docs/benchmarks.md, "Small-row linears"): bfloat16 without vdpbf16ps (no AVX-512 BF16), where oneDNN
+    widens bfloat16 itself and was 3-5x slower at every row count; float32 on the AVX-512 path, whose prefill tiles
+    run at oneDNN's rate from 128 to 2048 rows. Not measured, so oneDNN keeps them: float32 on the AVX2 path, and
+    bfloat16 with AVX-512 BF16 (oneDNN's native bf16 GEMM)."""
+    isa = ops.small_gemm_isa()
+    if dtype == torch.bfloat16:
+        return isa < ops.SMALL_GEMM_AVX512_BF16
+    return dtype == torch.float32 and isa >= ops.SMALL_GEMM_AVX512
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor:
     """W [N, K] in csrc/cpu/small_gemm.cpp's streaming layout, 1-D, zero-padded: float32 [N/16][K][16],
-    bfloat16 [N/16][K/2][16][2] (pairs of k per column: vdpbf16ps' operand)."""
+    bfloat16 [N/16][K/2][16][2] (pairs of k per column: vdpbf16ps' operand).
+
+    Packed PACK_CHUNK_BLOCKS blocks at a time into the result: the temporaries stay a few MiB however large W is
+    (whole, the LM head's would have held W three times at the load's peak)."""
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the small-row layout is for float32 and bfloat16 weights, got {weight.dtype}")
+    n, k = weight.shape
+    per_block = SMALL_BLOCK * (k if weight.dtype == torch.float32 else k + k % 2)  # elements of one packed block
+    blocks = -(-n // SMALL_BLOCK)
+    out = weight.new_empty(blocks * per_block)
+    for b0 in range(0, blocks, PACK_CHUNK_BLOCKS):
+        b1 = min(blocks, b0 + PACK_CHUNK_BLOCKS)
+        out[b0 * per_block:b1 * per_block] = _pack_blocks(weight[b0 * SMALL_BLOCK:b1 * SMALL_BLOCK])
+    return out
+
+
+PACK_CHUNK_BLOCKS = 64  # 1024 rows of W a chunk
+
+
+def _pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     n_pad = -n % SMALL_BLOCK
     if weight.dtype == torch.float32:
         w = nn.functional.pad(weight, (0, 0, 0, n_pad))
         return w.view(-1, SMALL_BLOCK, k).transpose(1, 2).contiguous().view(-1)
-    if weight.dtype != torch.bfloat16:
-        raise ValueError(f"the small-row layout is for float32 and bfloat16 weights, got {weight.dtype}")
     w = nn.functional.pad(weight, (0, k % 2, 0, n_pad))
     return w.view(-1, SMALL_BLOCK, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous().view(-1)
 
@@ -139,16 +167,25 @@ def pack_linears(model: nn.Module) -> int:
 
     Returns how many linears were packed.
 
-    Each packed linear's own weight is released (left as an empty tensor); one shared with another parameter
-    or buffer of `model` (a tied head) is kept. Released weights cannot be reloaded: load into a fresh model.
+    Each packed linear's own weight is released (left as an empty tensor) as soon as its packed copy exists; one
+    shared with another parameter or buffer of `model` is kept, unless that is an embedding which then reads the
+    head's small-row copy (a tied head). Released weights cannot be reloaded: load into a fresh model.
     The packed copy of a kept one is a snapshot: a change to that weight needs another call.
     """
     if not packed_linear_available():
         return 0
-    users = _storage_users(model)
     dtypes = packed_dtypes()
     linears = [m for m in model.modules() if type(m) is nn.Linear and _packable(m.weight, dtypes)]
-    released = sum(_pack(m, users) for m in linears)
+    users = _storage_users(model)
+    released = 0
+    for m in linears:  # each original goes as soon as its copy exists: the peak holds one linear twice, not all
+        _pack(m)
+        if _release(m, users):
+            released += 1
+            _trim_heap()  # free() keeps the pages in glibc's heap, where the next packed copy may not fit
+    if _embed_from_packed_head(model, linears):  # a tied head's weight is now its own
+        users = _storage_users(model)
+        released += sum(_release(m, users) for m in linears)
     if released:  # no reference to a released weight is left in this frame
         _trim_heap()
     logger.debug("packed %d linear layers for oneDNN, released %d original weights", len(linears), released)
@@ -160,19 +197,60 @@ def _packable(w: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
     return w.device.type == "cpu" and w.dtype in dtypes and not w.is_meta and w.numel() > 0
 
 
-def _pack(module: nn.Linear, users: Counter) -> bool:
-    """Pack module's weight and switch its forward; True when the original weight was its own and is released."""
+def _pack(module: nn.Linear) -> None:
+    """Pack module's weight (small-row form, oneDNN's form, or both) and switch its forward to them."""
     w = module.weight
     module._small_weight = pack_small_rows(w.detach()) if small_rows_available() else None
     small_everywhere = module._small_weight is not None and _small_rows_everywhere(w.dtype)
     module._small_max_rows = sys.maxsize if small_everywhere else SMALL_ROWS
     module._packed_weight = None if small_everywhere else torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
     module.forward = types.MethodType(_packed_forward, module)
-    if users[w.untyped_storage().data_ptr()] > 1:
+
+
+def _release(module: nn.Linear, users: Counter) -> bool:
+    """Drop a packed linear's original weight unless another parameter still uses it; True when dropped."""
+    w = module.weight
+    if w.numel() == 0 or users[w.untyped_storage().data_ptr()] > 1:
         return False
     # Empty, same dtype and device: F.linear or a reload into it fails loudly instead of using stale values.
     module.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
     return True
+
+
+def _embed_from_packed_head(model: nn.Module, linears: list[nn.Linear]) -> int:
+    """Each plain nn.Embedding whose weight is a packed linear's (a tied head) gathers its rows from that linear's
+    small-row copy, and lets go of the weight: the vocabulary is then held once, not twice or three times.
+    Returns how many embeddings did."""
+    done = 0
+    heads = {m.weight.untyped_storage().data_ptr(): m for m in linears if m._small_weight is not None}
+    for emb in model.modules():
+        if type(emb) is not nn.Embedding or emb.max_norm is not None or emb.weight.numel() == 0:
+            continue
+        head = heads.get(emb.weight.untyped_storage().data_ptr())
+        if head is None or tuple(emb.weight.shape) != (head.out_features, head.in_features):
+            continue
+        emb._small_weight = head._small_weight
+        emb.forward = types.MethodType(_embedding_forward, emb)
+        emb.weight = nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
+        done += 1
+    return done
+
+
+def small_rows_of(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Rows `ids` of the [n, k] weight whose pack_small_rows form is `packed`: [*ids.shape, k], a copy."""
+    if packed.dtype == torch.float32:
+        blocks = packed.view(-1, k, SMALL_BLOCK)  # [N/16, K, 16]
+        rows = blocks[ids // SMALL_BLOCK, :, ids % SMALL_BLOCK]
+    else:
+        blocks = packed.view(-1, (k + 1) // 2, SMALL_BLOCK, 2)  # [N/16, K/2, 16, 2]
+        rows = blocks[ids // SMALL_BLOCK, :, ids % SMALL_BLOCK].flatten(-2)[..., :k]
+    return rows
+
+
+def _embedding_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
+        raise IndexError(f"token id out of range [0, {self.num_embeddings}) for an embedding read from its tied head")
+    return small_rows_of(self._small_weight, input_ids, self.num_embeddings, self.embedding_dim)
 
 
 def _storage_users(model: nn.Module) -> Counter:

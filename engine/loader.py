@@ -21,7 +21,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 
 from engine.config import DEFAULT_MODEL_ID, EngineConfig
-from engine.cpu_linear import pack_linears
+from engine.cpu_linear import pack_linears, packed_dtypes, small_rows_available
 from engine.distributed import TPGroup
 from engine.models import get_model_class
 
@@ -174,8 +174,11 @@ def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torc
     """
     if config.dtype != "auto":
         dtype = _DTYPES[config.dtype]
-        if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16() and not (
+                torch.bfloat16 in packed_dtypes() and small_rows_available()):
             # Measured on an AVX2-only Zen 3: bfloat16 served 27.9 tok/s at concurrency 32 against float32's 111.8.
+            # An AVX-512 CPU without AVX-512 BF16 runs bfloat16 through the small-row kernel (engine/cpu_linear.py),
+            # faster than float32 at one stream (docs/benchmarks.md).
             logger.warning("--dtype bfloat16 on a CPU without native bfloat16 (AVX-512 BF16 or AMX) is emulated and "
                            "several times slower than float32 here; float32 (the default) is the fast choice on "
                            "this CPU")
@@ -277,10 +280,15 @@ def hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if files:
         from safetensors import safe_open
 
+        # One tensor per opening: the file is mapped while open, and the pages read stay in this process's RSS
+        # until it closes (one open file: SmolLM2's whole 540 MB on top of the weights at the load's peak).
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+                names = list(f.keys())
+            for name in names:
+                with safe_open(file, framework="pt", device="cpu") as f:
+                    tensor = f.get_tensor(name)
+                yield name, tensor
         return
     files = sorted(glob.glob(str(folder / "*.bin")))
     if not files:

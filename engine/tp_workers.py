@@ -55,6 +55,10 @@ class StepMessage:
     stop: bool = False  # the workers' loops return
 
 
+# How long a broken collective waits for a spawned rank's exit to show (TPWorkers.fatal).
+FATAL_EXIT_WAIT_S = 2.0
+
+
 class TPWorkers:
     """The driver's side of ranks 1..N-1: step broadcasts, health, shutdown."""
 
@@ -110,21 +114,38 @@ class TPWorkers:
             raise TensorParallelError(self.dead_reason)
 
     def fatal(self, exc: BaseException) -> TensorParallelError:
-        """The error that ends the engine after `exc` broke a step the ranks had begun together."""
+        """The error that ends the engine after `exc` broke a step the ranks had begun together.
+
+        A rank that died breaks the collective it was part of (its sockets close) before the watcher thread may
+        have seen its exit: the exit is waited for a moment, so that the error names the rank."""
+        if self.dead_reason is None and self.processes:
+            dead = self._first_exit(timeout_s=FATAL_EXIT_WAIT_S)
+            if dead is not None:
+                self.dead_reason = self._exit_reason(dead)
         reason = self.dead_reason or (f"a tensor-parallel step failed after the ranks began it "
                                       f"({type(exc).__name__}: {exc}); the ranks are out of step")
         self.dead_reason = reason
         return TensorParallelError(reason)
 
-    def _watch(self) -> None:
+    def _first_exit(self, timeout_s: Optional[float]):
+        """The first spawned rank to exit (None: none did within timeout_s)."""
         sentinels = {p.sentinel: p for p in self.processes}
-        ready = wait(list(sentinels))
-        if self._stopping:
-            return
+        ready = wait(list(sentinels), timeout=timeout_s)
+        if not ready:
+            return None
         p = sentinels[ready[0]]
         p.join(0.1)
-        self.dead_reason = (f"tensor-parallel rank {self.processes.index(p) + 1} (pid {p.pid}) exited with code "
-                            f"{p.exitcode}; the engine cannot run without it")
+        return p
+
+    def _exit_reason(self, p) -> str:
+        return (f"tensor-parallel rank {self.processes.index(p) + 1} (pid {p.pid}) exited with code {p.exitcode}; "
+                f"the engine cannot run without it")
+
+    def _watch(self) -> None:
+        p = self._first_exit(timeout_s=None)
+        if self._stopping:
+            return
+        self.dead_reason = self._exit_reason(p)
         logger.error("%s", self.dead_reason)
         if self.on_death is not None:
             self.on_death(TensorParallelError(self.dead_reason))

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -41,12 +42,19 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kBlock = 16;        // output columns per packed block
-constexpr int kRowTile = 4;           // rows of x per pass over a weight tile (the tile stays in L1/L2)
-constexpr int64_t kMinBlocksPerThread = 8;
+// Up to kSmallRows rows (decode) the tiles are at most 4 rows by 4 blocks: each weight vector loaded feeds every
+// row, and the weights are streamed once. Above it (prefill) the GEMM is compute-bound and the tiles are taller
+// (8 rows, 2-3 blocks: 16-24 accumulators), which keeps both FMA ports busy instead of waiting on the loads.
+constexpr int64_t kSmallRows = 16;
+// Rows of x per sweep over the weights in a long prefill: 128 rows of K = 1536 are 768 KiB of float32 x, and each
+// weight byte read from memory then feeds 64 FLOP (float32) or more.
+constexpr int64_t kRowChunk = 128;
+constexpr int64_t kMinBlocksPerThread = 8;       // below this a second thread costs more than it saves (decode)
+constexpr int64_t kMinBlocksPerThreadWide = 2;   // the same with more than kSmallRows rows of work per block
 // Cache lines (one per k or k pair of a block) prefetched ahead of the loads: the hardware prefetcher alone
 // kept too few lines in flight over a few interleaved streams (measured: benchmarks/small_gemm.py). Prefetches
 // past a block's end touch the next block, which is read next anyway (or a harmless line past the weight).
-constexpr int64_t kPrefetchAhead = 16;  // below this a second thread costs more than it saves
+constexpr int64_t kPrefetchAhead = 16;
 
 enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
 
@@ -61,6 +69,13 @@ Isa best_isa() {
   return kAuto;  // none: small_gemm_isa() reports 0 and engine/cpu_linear.py keeps oneDNN
 #endif
 }
+
+// Wraps the tile function template FN<R, B> in a struct NAME whose run<R, B> the kernel tables point to.
+#define PAGEDSERVE_TILE(NAME, FN)                                                                     \
+  struct NAME {                                                                                       \
+    template <int R, int B, typename... A>                                                            \
+    static void run(A... a) { FN<R, B>(a...); }                                                       \
+  };
 
 // A tile's accumulators, [rows][blocks * 16] floats, handed to the epilogue.
 struct TileOut {
@@ -148,6 +163,9 @@ void tile_bf16_avx512(const float* x, int64_t xs, const uint32_t* w, int64_t kp,
     }
 }
 
+PAGEDSERVE_TILE(F32Avx512, tile_f32_avx512)
+PAGEDSERVE_TILE(Bf16Avx512, tile_bf16_avx512)
+
 #endif  // __AVX512F__
 
 #if defined(__AVX512BF16__)
@@ -175,6 +193,8 @@ void tile_bf16_dp(const uint32_t* x, int64_t xs, const uint32_t* w, int64_t kp, 
       store_row(o, row0 + r, col0 + b * kBlock, buf, kBlock);
     }
 }
+
+PAGEDSERVE_TILE(Bf16Dp, tile_bf16_dp)
 
 #endif  // __AVX512BF16__
 
@@ -243,52 +263,77 @@ void tile_bf16_avx2(const float* x, int64_t xs, const uint32_t* w, int64_t kp, c
     }
 }
 
+PAGEDSERVE_TILE(F32Avx2, tile_f32_avx2)
+PAGEDSERVE_TILE(Bf16Avx2, tile_bf16_avx2)
+
 #endif  // __AVX2__ && __FMA__
 
 // ------------------------------------------------------------------ driver
 
-// A tile kernel: rows R, blocks B; X is the x element type it reads, W the packed weight element type.
+// A tile kernel: R rows, B blocks; X is the x element type it reads, W the packed weight element type.
 template <typename X, typename W>
 using TileFn = void (*)(const X*, int64_t, const W*, int64_t, const TileOut&, int64_t, int64_t);
 
-// kernels[r - 1][b - 1] for r rows and b blocks.
-template <typename X, typename W, int BMax>
+// Tile kernels for every r <= RMax rows and b <= BMax blocks: fn[(r - 1) * BMax + (b - 1)].
+template <typename X, typename W, int RMax, int BMax>
 struct Kernels {
-  TileFn<X, W> fn[kRowTile][BMax];
+  static constexpr int kRows = RMax;
+  static constexpr int kBlocks = BMax;
+  TileFn<X, W> fn[RMax * BMax];
 };
 
-#define PAGEDSERVE_TILE_ROW(F, R) {F<R, 1>, F<R, 2>, F<R, 3>, F<R, 4>}
-#define PAGEDSERVE_TILES(F) \
-  {{PAGEDSERVE_TILE_ROW(F, 1), PAGEDSERVE_TILE_ROW(F, 2), PAGEDSERVE_TILE_ROW(F, 3), PAGEDSERVE_TILE_ROW(F, 4)}}
-#define PAGEDSERVE_TILE_ROW2(F, R) {F<R, 1>, F<R, 2>}
-#define PAGEDSERVE_TILE_ROW1(F, R) {F<R, 1>}
-#define PAGEDSERVE_TILES1(F) \
-  {{PAGEDSERVE_TILE_ROW1(F, 1), PAGEDSERVE_TILE_ROW1(F, 2), PAGEDSERVE_TILE_ROW1(F, 3), PAGEDSERVE_TILE_ROW1(F, 4)}}
-#define PAGEDSERVE_TILES2(F) \
-  {{PAGEDSERVE_TILE_ROW2(F, 1), PAGEDSERVE_TILE_ROW2(F, 2), PAGEDSERVE_TILE_ROW2(F, 3), PAGEDSERVE_TILE_ROW2(F, 4)}}
+// Tile is a struct with `template <int R, int B> static void run(...)` forwarding to one tile function.
+template <typename Tile, typename X, typename W, int RMax, int BMax, int... I>
+constexpr Kernels<X, W, RMax, BMax> make_kernels(std::integer_sequence<int, I...>) {
+  return {{&Tile::template run<I / BMax + 1, I % BMax + 1>...}};
+}
+template <typename Tile, typename X, typename W, int RMax, int BMax>
+constexpr Kernels<X, W, RMax, BMax> kernels_of() {
+  return make_kernels<Tile, X, W, RMax, BMax>(std::make_integer_sequence<int, RMax * BMax>{});
+}
 
-// Runs the tiles of blocks [b0, b1) for all m rows: B blocks at a time, kRowTile rows per pass.
-// w_block: elements of W per block; x_row: elements between x rows.
-template <typename X, typename W, int BMax>
-void run_blocks(const Kernels<X, W, BMax>& k, const X* x, int64_t xs, const W* w, int64_t w_block, int64_t depth,
-                const TileOut& o, int64_t m, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; b += BMax) {
-    const int nb = static_cast<int>(std::min<int64_t>(BMax, b1 - b));
-    for (int64_t r = 0; r < m; r += kRowTile) {
-      const int nr = static_cast<int>(std::min<int64_t>(kRowTile, m - r));
-      k.fn[nr - 1][nb - 1](x + r * xs, xs, w + b * w_block, depth, o, r, b * kBlock);
+// Runs the tiles of blocks [b0, b1) for all m rows: kRowChunk rows at a time (their x stays in L2 while every
+// block passes over it), and within a chunk kBlocks blocks at a time, kRows rows per pass (the weight tile is
+// read once from memory and again from cache for each further pass).
+// w_block: elements of W per block; xs: elements between x rows.
+template <typename X, typename W, int RMax, int BMax>
+void run_blocks(const Kernels<X, W, RMax, BMax>& k, const X* x, int64_t xs, const W* w, int64_t w_block,
+                int64_t depth, const TileOut& o, int64_t m, int64_t b0, int64_t b1) {
+  for (int64_t c = 0; c < m; c += kRowChunk) {
+    const int64_t c1 = std::min(m, c + kRowChunk);
+    for (int64_t b = b0; b < b1; b += BMax) {
+      const int nb = static_cast<int>(std::min<int64_t>(BMax, b1 - b));
+      for (int64_t r = c; r < c1; r += RMax) {
+        const int nr = static_cast<int>(std::min<int64_t>(RMax, c1 - r));
+        k.fn[(nr - 1) * BMax + (nb - 1)](x + r * xs, xs, w + b * w_block, depth, o, r, b * kBlock);
+      }
     }
   }
 }
 
 template <typename Fn>
-void over_threads(int64_t blocks, Fn&& fn) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / kMinBlocksPerThread));
+void over_threads(int64_t blocks, int64_t min_blocks, Fn&& fn) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / min_blocks));
   if (threads == 1) return fn(int64_t{0}, blocks);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     fn(blocks * t / nt, blocks * (t + 1) / nt);
+  }
+}
+
+// The row-count split of one path: `small` tiles up to kSmallRows rows, `wide` ones above.
+template <typename X, typename W, int R1, int B1, int R2, int B2>
+void run_path(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& wide, const X* x, int64_t xs,
+              const W* w, int64_t w_block, int64_t depth, const TileOut& o, int64_t m, int64_t blocks) {
+  if (m <= kSmallRows) {
+    over_threads(blocks, kMinBlocksPerThread, [&](int64_t b0, int64_t b1) {
+      run_blocks(small, x, xs, w, w_block, depth, o, m, b0, b1);
+    });
+  } else {
+    over_threads(blocks, kMinBlocksPerThreadWide, [&](int64_t b0, int64_t b1) {
+      run_blocks(wide, x, xs, w, w_block, depth, o, m, b0, b1);
+    });
   }
 }
 
@@ -343,7 +388,8 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
 
 #if defined(__AVX512BF16__)
   if (bf16 && use == kAvx512Bf16) {
-    static const Kernels<uint32_t, uint32_t, 4> kernels = PAGEDSERVE_TILES(tile_bf16_dp);
+    static constexpr auto small = kernels_of<Bf16Dp, uint32_t, uint32_t, 4, 4>();
+    static constexpr auto wide = kernels_of<Bf16Dp, uint32_t, uint32_t, 8, 3>();
     const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
     const uint32_t* xp;
     int64_t xs;
@@ -358,9 +404,7 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
       xp = reinterpret_cast<const uint32_t*>(copy.data());
       xs = depth;
     }
-    over_threads(blocks, [&](int64_t b0, int64_t b1) {
-      run_blocks(kernels, xp, xs, w, w_block / 2, depth, o, m, b0, b1);
-    });
+    run_path(small, wide, xp, xs, w, w_block / 2, depth, o, m, blocks);
     return;
   }
 #endif
@@ -370,34 +414,30 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
 #if defined(__AVX512F__)
   if (use >= kAvx512) {
     if (bf16) {
-      static const Kernels<float, uint32_t, 2> kernels = PAGEDSERVE_TILES2(tile_bf16_avx512);
+      static constexpr auto small = kernels_of<Bf16Avx512, float, uint32_t, 4, 2>();
+      static constexpr auto wide = kernels_of<Bf16Avx512, float, uint32_t, 8, 2>();
       const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-      over_threads(blocks, [&](int64_t b0, int64_t b1) {
-        run_blocks(kernels, xf.data(), xs, w, w_block / 2, depth, o, m, b0, b1);
-      });
+      run_path(small, wide, xf.data(), xs, w, w_block / 2, depth, o, m, blocks);
     } else {
-      static const Kernels<float, float, 4> kernels = PAGEDSERVE_TILES(tile_f32_avx512);
+      static constexpr auto small = kernels_of<F32Avx512, float, float, 4, 4>();
+      static constexpr auto wide = kernels_of<F32Avx512, float, float, 8, 3>();
       const float* w = packed.data_ptr<float>();
-      over_threads(blocks, [&](int64_t b0, int64_t b1) {
-        run_blocks(kernels, xf.data(), xs, w, w_block, depth, o, m, b0, b1);
-      });
+      run_path(small, wide, xf.data(), xs, w, w_block, depth, o, m, blocks);
     }
     return;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (bf16) {
-    static const Kernels<float, uint32_t, 1> kernels = PAGEDSERVE_TILES1(tile_bf16_avx2);  // 16 ymm: one block
+    // 16 ymm: one block (two ymm halves) and at most 4 rows (8 accumulators, 4 widened pairs, 2 broadcasts).
+    static constexpr auto tiles = kernels_of<Bf16Avx2, float, uint32_t, 4, 1>();
     const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-    over_threads(blocks, [&](int64_t b0, int64_t b1) {
-      run_blocks(kernels, xf.data(), xs, w, w_block / 2, depth, o, m, b0, b1);
-    });
+    run_path(tiles, tiles, xf.data(), xs, w, w_block / 2, depth, o, m, blocks);
   } else {
-    static const Kernels<float, float, 1> kernels = PAGEDSERVE_TILES1(tile_f32_avx2);
+    static constexpr auto small = kernels_of<F32Avx2, float, float, 4, 1>();
+    static constexpr auto wide = kernels_of<F32Avx2, float, float, 6, 1>();  // 12 accumulators, 2 weights, 1 x
     const float* w = packed.data_ptr<float>();
-    over_threads(blocks, [&](int64_t b0, int64_t b1) {
-      run_blocks(kernels, xf.data(), xs, w, w_block, depth, o, m, b0, b1);
-    });
+    run_path(small, wide, xf.data(), xs, w, w_block, depth, o, m, blocks);
   }
   return;
 #endif

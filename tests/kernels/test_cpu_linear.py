@@ -1,5 +1,6 @@
-"""Prepacked oneDNN linears (engine/cpu_linear.py) equal F.linear for every row count, the padded ones included,
-and hold their weights once: the original is released unless another parameter shares it (a tied head)."""
+"""Prepacked linears (engine/cpu_linear.py) equal F.linear for every row count, the padded ones included, and
+hold their weights once: the original is released, and a head tied to the embedding is held once (the embedding
+reads its rows from the head's small-row copy)."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.cpu_linear import EXACT_ROWS, bucket_rows, pack_linears, packed_dtypes, packed_linear_available
+from engine.cpu_linear import (EXACT_ROWS, bucket_rows, pack_linears, pack_small_rows, packed_dtypes,
+                               packed_linear_available, small_rows_available, small_rows_of)
 from engine.models.llama import LlamaForCausalLM
 from tiny_models import tiny_llama_config
 
@@ -98,7 +100,8 @@ def test_packed_llama_matches_unpacked(dtype, tied):
     assert pack_linears(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
     lens = [5, 17, 1, 40]
     torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(dtype))
-    assert pack_linears(model) == (1 if tied else 0)  # a second call repacks only the weights still held
+    # A second call repacks only the weights still held: a tied head's, unless the embedding reads its packed copy.
+    assert pack_linears(model) == (1 if tied and not small_rows_available() else 0)
     torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(dtype))
 
 
@@ -143,7 +146,9 @@ def test_untied_weights_are_released():
     assert all(ref() is None for ref in originals)  # nothing kept the old Parameters (and so their storage) alive
     for m, shape in zip(linears, shapes):
         assert m.weight.numel() == 0 and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-        assert (m.out_features, m.in_features) == shape and tuple(m._packed_weight.shape) == shape
+        assert (m.out_features, m.in_features) == shape
+        assert m._packed_weight is not None or m._small_weight is not None
+        assert m._packed_weight is None or tuple(m._packed_weight.shape) == shape
     state = model.state_dict()
     assert state["lm_head.weight"].numel() == 0 and state["embed_tokens.weight"].shape == (512, 64)
 
@@ -159,19 +164,37 @@ def test_packing_does_not_keep_the_original():
     before = _rss_mib()
     pack_linears(model)
     grown = _rss_mib() - before
-    # float32 keeps two packed forms (oneDNN's and the small-row kernel's), never the original as well.
-    copies = 1 if model.layers[0].mlp.down_proj._small_weight is None else 2
+    # One or two packed forms (oneDNN's, the small-row kernel's), never the original as well.
+    down = model.layers[0].mlp.down_proj
+    copies = (down._small_weight is not None) + (down._packed_weight is not None)
     assert grown < (copies - 0.75) * weight_mib, f"RSS grew {grown:.0f} MiB packing {weight_mib:.0f} MiB of weights"
 
 
-def test_tied_head_keeps_the_embedding():
-    model = _tiny_llama(torch.float32, tied=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tied_head_and_embedding_are_held_once(dtype):
+    model = _tiny_llama(dtype, tied=True)
     embedding = model.embed_tokens.weight.detach().clone()
     pack_linears(model)
-    assert model.lm_head.weight is model.embed_tokens.weight and torch.equal(model.embed_tokens.weight, embedding)
-    ids = torch.tensor([0, 7, 511, 7])
+    ids = torch.tensor([0, 7, 511, 7, 15, 16])
     torch.testing.assert_close(model.embed_tokens(ids), embedding[ids], atol=0, rtol=0)
+    torch.testing.assert_close(model.embed_tokens(ids.view(2, 3)), embedding[ids].view(2, 3, 64), atol=0, rtol=0)
     # The head multiplies with the same matrix the embedding reads.
-    hidden = torch.randn(3, 64)
-    torch.testing.assert_close(model.lm_head(hidden), hidden @ embedding.T, atol=1e-4, rtol=1e-4)
-    assert model.layers[0].mlp.down_proj.weight.numel() == 0  # the untied ones in the same model are released
+    hidden = torch.randn(3, 64).to(dtype)
+    torch.testing.assert_close(model.lm_head(hidden), (hidden.float() @ embedding.float().T).to(dtype),
+                               **_tolerance(dtype))
+    assert model.layers[0].mlp.down_proj.weight.numel() == 0  # the untied ones are released
+    if small_rows_available():  # the embedding reads the head's small-row copy: no parameter holds the matrix
+        assert model.embed_tokens.weight.numel() == 0 and model.lm_head.weight.numel() == 0
+        with pytest.raises(IndexError, match="out of range"):
+            model.embed_tokens(torch.tensor([512]))
+    else:  # the embedding keeps the weight, which the head shares
+        assert model.lm_head.weight is model.embed_tokens.weight and torch.equal(model.embed_tokens.weight, embedding)
+
+
+@pytest.mark.skipif(not small_rows_available(), reason="no small-row kernel")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 33), (64, 32), (5, 8)])
+def test_rows_read_back_from_the_small_row_layout(dtype, shape):
+    weight = torch.randn(*shape).to(dtype)
+    ids = torch.tensor([shape[0] - 1, 0, 3, 3, 1])
+    assert torch.equal(small_rows_of(pack_small_rows(weight), ids, *shape), weight[ids])

@@ -38,7 +38,8 @@ def test_small_gemm_matches_f_linear(isa, dtype, shape):
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     packed = pack_small_rows(weight)
-    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+    # Up to 16 rows the decode tiles; above, the taller prefill tiles (8 rows; 6 on AVX2), whole and partial.
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16, 17, 24, 29, 70):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         for b in (None, bias):
             out = ops.small_gemm(torch.empty(rows, n, dtype=dtype), x, packed, b, isa)
@@ -52,13 +53,14 @@ def test_small_gemm_splits_columns_over_threads(isa, dtype):
     n, k = 1000, 64  # 63 blocks: an uneven split, the last block partial
     weight = torch.randn(n, k, generator=gen).to(dtype)
     packed = pack_small_rows(weight)
-    x = torch.randn(3, k, generator=gen).to(dtype)
-    outs = []
-    for threads in (1, 2):
-        with torch_threads(threads), ops.thread_omp_threads(threads):
-            outs.append(ops.small_gemm(torch.empty(3, n, dtype=dtype), x, packed, None, isa))
-    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)  # each column is summed by one thread, in order
-    torch.testing.assert_close(outs[0], _expected(x, weight, None), **_tolerance(dtype, k))
+    for rows in (3, 40, 300):  # decode tiles, prefill tiles, prefill over several row chunks
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        outs = []
+        for threads in (1, 2):
+            with torch_threads(threads), ops.thread_omp_threads(threads):
+                outs.append(ops.small_gemm(torch.empty(rows, n, dtype=dtype), x, packed, None, isa))
+        torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)  # each column summed by one thread, in order
+        torch.testing.assert_close(outs[0], _expected(x, weight, None), **_tolerance(dtype, k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,7 +100,7 @@ def test_packed_linear_uses_the_small_row_kernel_up_to_small_rows(dtype, monkeyp
     for rows in (1, 4, SMALL_ROWS, SMALL_ROWS + 1, 40):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         torch.testing.assert_close(layer(x), _expected(x, weight, bias), **_tolerance(dtype, 96))
-    if layer._packed_weight is None:  # bfloat16 without AVX-512 BF16: the small-row kernel serves every row count
+    if layer._packed_weight is None:  # the small-row kernel serves every row count (engine/cpu_linear.py)
         assert calls == [1, 4, SMALL_ROWS, SMALL_ROWS + 1, 40]
     else:
         assert calls == [1, 4, SMALL_ROWS]  # more rows go to oneDNN
