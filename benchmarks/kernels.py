@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp, as `pagedserve serve` does
+from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+
+apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

@@ -24,8 +24,9 @@ LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}
 LLAMA=$CACHE/llama.cpp-$LLAMA_CPP_PYTHON
 SERVER=$LLAMA/build/bin/llama-server
-# OpenMP: neither variable set, so pagedserve applies its default (server/cli.py) and llama-server libgomp's
-# (the same spin count); an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment applies to both.
+# OpenMP: neither variable set, so each server keeps its own default: pagedserve's GOMP_SPINCOUNT=4000
+# (engine/openmp.py), llama-server libgomp's 300000; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment
+# applies to both.
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUT" "$LLAMA"
 part() { [[ $PARTS == *" $1 "* ]]; }

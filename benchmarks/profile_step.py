@@ -24,8 +24,10 @@ from collections import defaultdict
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `pagedserve serve` sets it (server/cli.py), before torch loads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+
+apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 
 import torch  # noqa: E402
 

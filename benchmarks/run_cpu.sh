@@ -16,7 +16,8 @@ SWEEP=${SWEEP:-1,2,4,8,16,32}
 PARTS=" ${PARTS:-served hf plot offline profile} "
 DTYPES=${DTYPES:-float32 bfloat16}
 mkdir -p "$OUT"
-export HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE
+export HF_HUB_OFFLINE=1
+[[ -n ${OMP_WAIT_POLICY:-}${GOMP_SPINCOUNT:-} ]] || export GOMP_SPINCOUNT=4000  # pagedserve serve's default (engine/openmp.py), for every server here
 
 # shellcheck source=benchmarks/lib.sh
 source benchmarks/lib.sh

@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `pagedserve serve` sets it (server/cli.py)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+
+apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 
 import torch  # noqa: E402
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
+from engine.openmp import apply_serving_default
 from server.tools import PARSERS
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -20,12 +21,6 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # 64 entries fill within seconds; building a primitive on a miss costs nothing measurable next to the GEMM.
 # Both are read once, when the first primitive is built: set before the model loads; an explicit setting wins.
 NATIVE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
-# libgomp's idle OpenMP workers sleep at once between parallel regions (PASSIVE). Spinning (GOMP_SPINCOUNT=300000,
-# ~3 ms) serves ~1.4x the tokens/s at one stream on a dedicated 2-core machine, but two busy servers sharing the
-# cores then serve 6x less each (docs/benchmarks.md, "OpenMP threads"): the safe default sleeps. libgomp reads it
-# once, when torch loads it, so it is set before torch is imported; an OMP_WAIT_POLICY or GOMP_SPINCOUNT of the
-# user wins.
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 logger = logging.getLogger("pagedserve")
 
 
@@ -204,8 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for name, value in NATIVE_CACHE_ENV.items():
         os.environ.setdefault(name, value)
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ.update(OPENMP_ENV)
+    apply_serving_default()  # OpenMP workers spin across a step's gaps, sleep between steps (engine/openmp.py)
     if args.command == "serve":
         return serve(args)
     return 2

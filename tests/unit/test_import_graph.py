@@ -11,7 +11,7 @@ ENGINE = Path(__file__).resolve().parents[2] / "engine"
 # Lower numbers are lower layers; a module imports only its own layer or below.
 LAYERS = {
     # types and settings
-    "engine.config": 0, "engine.sampling_params": 0, "engine.sequence": 0, "engine.memory": 0,
+    "engine.config": 0, "engine.sampling_params": 0, "engine.sequence": 0, "engine.memory": 0, "engine.openmp": 0,
     # pure Python over ints: blocks, queues, the step's decision, the boundaries' types
     "engine.block_allocator": 1, "engine.prompt_logprobs": 1, "engine.block_manager": 1, "engine.scheduler": 1,
     "engine.detokenizer": 1, "engine.faults": 1, "engine.protocol": 1, "engine.metrics": 1,
