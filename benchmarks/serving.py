@@ -126,8 +126,21 @@ async def send(client: httpx.AsyncClient, args, model: str, prompt, prompt_len: 
     return res
 
 
-async def run_load(args, model: str, requests: list, concurrency: Optional[int], rate: float) -> tuple[list, float]:
-    """Send every request with at most `concurrency` in flight, arrivals Poisson at `rate` (inf: all at once)."""
+async def probe_health(client: httpx.AsyncClient, base_url: str, interval: float, latencies: list[float]) -> None:
+    """GET /health every `interval` seconds until cancelled, each answer's latency (s) appended to `latencies`:
+    whether the server's event loop stays responsive under the load."""
+    while True:
+        t = time.perf_counter()
+        response = await client.get(f"{base_url}/health")
+        latencies.append(time.perf_counter() - t)
+        response.raise_for_status()
+        await asyncio.sleep(interval)
+
+
+async def run_load(args, model: str, requests: list, concurrency: Optional[int], rate: float,
+                   health: Optional[list[float]] = None) -> tuple[list, float]:
+    """Send every request with at most `concurrency` in flight, arrivals Poisson at `rate` (inf: all at once);
+    with `health` (a list), probe /health every --health-interval seconds meanwhile into it."""
     limit = concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(args.seed + 1)
@@ -141,13 +154,20 @@ async def run_load(args, model: str, requests: list, concurrency: Optional[int],
         for req in requests[: args.warmup]:  # untimed: kernel build, allocator, connection setup
             await send(client, args, model, req[0], req[1], min(req[2], 4))
         start = time.perf_counter()
+        probe = None
+        if health is not None:
+            probe = asyncio.create_task(probe_health(client, args.base_url, args.health_interval, health))
         tasks = []
         for req in requests:
             tasks.append(asyncio.create_task(one(req)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-    return results, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        if probe is not None:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+    return results, duration
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict:
@@ -215,6 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len-range", type=float, default=0.0, help="0: fixed; 0.5: uniform in [0.5x, 1.5x]")
     p.add_argument("--output-len-range", type=float, default=0.0)
+    p.add_argument("--health-interval", type=float, default=0.0,
+                   help="seconds between GET /health probes during the load, latencies in the report (0: none)")
     p.add_argument("--prompt-kind", choices=["tokens", "text"], default="tokens")
     p.add_argument("--token-id-low", type=int, default=1000)
     p.add_argument("--token-id-high", type=int, default=10000)
@@ -241,9 +263,14 @@ def main(argv=None) -> int:
         if args.sweep:
             args.num_prompts = max(args.num_prompts_min, int(args.rounds * level))
         requests = make_requests(args, random.Random(args.seed))
-        results, duration = asyncio.run(run_load(args, model, requests, level, args.request_rate))
+        health = [] if args.health_interval > 0 else None
+        results, duration = asyncio.run(run_load(args, model, requests, level, args.request_rate, health))
         summary = summarize(results, duration, level, args.request_rate)
         print_summary(summary)
+        if health:
+            summary["health_ms"] = {**_stats(health), "max": max(health) * 1000}
+            h = summary["health_ms"]
+            print(f"    /health p50 {h['p50']:.1f}  p99 {h['p99']:.1f}  max {h['max']:.1f} ms ({len(health)} probes)")
         runs.append(summary)
     config = {k: v for k, v in vars(args).items() if k not in ("plot",)}
     config["request_rate"] = "inf" if not math.isfinite(args.request_rate) else args.request_rate
