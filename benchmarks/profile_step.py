@@ -9,6 +9,7 @@ itself is unchanged). Optionally a torch.profiler table of the forward's ops.
     .venv/bin/python benchmarks/profile_step.py --torch-profile       # plus the top ops (with --prefill too)
     .venv/bin/python benchmarks/profile_step.py --dtype bfloat16      # bf16 weights and activations
     .venv/bin/python benchmarks/profile_step.py --prefill             # one 128-token prefill (TTFT's forward)
+    .venv/bin/python benchmarks/profile_step.py --batch 1 --compare-eager   # compiled decode step against eager
     py-spy record -o step.svg -- .venv/bin/python benchmarks/profile_step.py --steps 200
 """
 from __future__ import annotations
@@ -135,6 +136,10 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--prefill", action="store_true",
                    help="time --steps single-sequence prefills of --input-len tokens instead of decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="every step op by op (no compiled decode step)")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="A/B in one engine: --steps decode steps in chunks of 8 alternating the compiled decode step "
+                        "and the eager one; prints each one's median step time")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     if args.threads:
@@ -145,7 +150,8 @@ def main() -> None:
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=512, kv_cache_space=0.5, swap_space=0.1,
-                                    max_num_seqs=max(256, args.batch), dtype=args.dtype))
+                                    max_num_seqs=max(256, args.batch), dtype=args.dtype,
+                                    enforce_eager=args.enforce_eager))
     timer = StageTimer()
     instrument(engine, timer)
     if args.prefill:
@@ -159,6 +165,8 @@ def main() -> None:
     for _ in range(4):
         engine.step()
     assert len(engine.scheduler.running) == args.batch, "every request must be decoding"
+    if args.compare_eager:
+        return compare_eager(engine, args)
 
     timer.enabled = True
     start = time.perf_counter()
@@ -192,6 +200,30 @@ def main() -> None:
         Path(args.output_json).write_text(json.dumps(
             {"batch": args.batch, "input_len": args.input_len, "threads": torch.get_num_threads(),
              "step_ms": step_ms, "stages_ms": rows, "non_forward_pct": 100 * overhead / step_ms}, indent=2))
+
+
+def compare_eager(engine, args) -> None:
+    """Median decode step time, compiled decode step against eager, chunks of 8 steps alternating in one engine."""
+    model = engine.model_runner.model
+    chunks: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(max(2, args.steps // 8)):
+        compiled = i % 2 == 0
+        model.compiled_decode = compiled
+        start = time.perf_counter()
+        for _ in range(8):
+            engine.step()
+        chunks[compiled].append((time.perf_counter() - start) / 8 * 1000)
+    model.compiled_decode = True
+    median = {mode: sorted(v)[len(v) // 2] for mode, v in chunks.items()}
+    print(f"decode step at batch {args.batch}, dtype {engine.dtype}, {torch.get_num_threads()} torch threads: "
+          f"compiled {median[True]:.2f} ms, eager {median[False]:.2f} ms "
+          f"(eager / compiled {median[False] / median[True]:.2f}), medians of {len(chunks[True])} chunks of 8 steps")
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(
+            {"batch": args.batch, "input_len": args.input_len, "dtype": str(engine.dtype),
+             "threads": torch.get_num_threads(), "compiled_step_ms": median[True], "eager_step_ms": median[False],
+             "chunks_ms": {"compiled": chunks[True], "eager": chunks[False]}}, indent=2))
 
 
 if __name__ == "__main__":

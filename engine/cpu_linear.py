@@ -188,6 +188,7 @@ def pack_linears(model: nn.Module) -> int:
         released += sum(_release(m, users) for m in linears)
     if released:  # no reference to a released weight is left in this frame
         _trim_heap()
+    model.__dict__.pop("_compiled_decode", None)  # a model's compiled decode plan reads the packed weights: rebuild
     logger.debug("packed %d linear layers for oneDNN, released %d original weights", len(linears), released)
     return len(linears)
 

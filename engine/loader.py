@@ -270,6 +270,8 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
     model.eval()
     if pack_cpu_linears and device.type == "cpu":
         pack_linears(model)
+    if hasattr(model, "compiled_decode"):
+        model.compiled_decode = not config.enforce_eager
     logger.info("loaded %s (%s, %s, %s) in %.1f s", model_path, fmt.value, device, dtype, time.monotonic() - start)
     return LoadedModel(model, tokenizer, hf_config, device, dtype)
 

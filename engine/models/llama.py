@@ -10,6 +10,7 @@ from torch import nn
 from engine import ops
 from engine.attention import Attention, AttentionMetadata, KVCache
 from engine.distributed import TPGroup
+from engine.models.compiled_decode import CompiledDecode
 import engine.models.llama_weights as llama_weights
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -241,6 +242,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(a.hidden_size, local_vocab, bias=False, dtype=dtype)
         self.tie_weights()
+        # Decode steps through the compiled layer loop where it serves (engine/models/compiled_decode.py);
+        # False: every step eagerly (--enforce-eager, the reference).
+        self.compiled_decode = True
 
     @property
     def kv_window(self) -> Optional[int]:
@@ -262,6 +266,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] before the final norm; compute_logits finishes the rows asked for
         x, residual = self.embed(input_ids), None
+        plan = CompiledDecode.of(self) if self.compiled_decode else None
+        if plan is not None and plan.serves(x, kv_caches, meta):
+            return plan(x, positions, kv_caches, meta)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, kv_caches[i] if kv_caches is not None else None, meta)
         return x if residual is None else residual.add_(x)

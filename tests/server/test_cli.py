@@ -113,13 +113,13 @@ def test_stats_line_and_sigterm_exits_cleanly(cli_server):
     assert "Avg prompt throughput:" in text and "KV cache usage:" in text and "Running:" in text, text[-2000:]
 
 
-def test_help_says_enforce_eager_has_no_effect_and_what_priority_does():
+def test_help_says_what_enforce_eager_and_priority_do():
     from server.cli import build_parser
 
     parser = build_parser()
     serve = next(a for a in parser._subparsers._group_actions if a.dest == "command").choices["serve"]
     text = " ".join(serve.format_help().split())
-    assert "--enforce-eager accepted for vLLM compatibility; no effect yet" in text
+    assert "--enforce-eager run every step op by op in Python (the reference path)" in text
     assert "lower `priority` runs first" in text
     readme = (ROOT / "README.md").read_text()
-    assert "| `--enforce-eager` | off | accepted for vLLM compatibility and has **no effect yet**" in readme
+    assert "| `--enforce-eager` | off | every step op by op in Python, the reference path" in readme

@@ -1,0 +1,86 @@
+// A Llama-family decode step's decoder layers as one C++ loop (the CPU twin of a captured CUDA graph).
+//
+// The eager model (engine/models/llama.py) runs each layer as ~12 Python-level op calls: at one sequence
+// that Python and dispatch cost ~150 us a layer, ~4.5 ms a step of SmolLM2's 30 layers, next to ~14 ms of
+// weight reading (docs/benchmarks.md, "Compiled decode step"). Here the same kernels are called directly,
+// in the same order on the same buffers, so the result is bit-identical to the eager path's; only the calls
+// between them are gone. Every linear is a small-row GEMM over its pack_small_rows weight.
+#include <c10/util/Exception.h>
+#include <ATen/ops/empty.h>
+
+#include "../ops.h"
+
+namespace pagedserve {
+namespace cpu {
+
+namespace {
+
+// A layer's tensors in `weights`, in this order (an absent bias is an empty tensor).
+enum Slot : int64_t {
+  kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kSlots
+};
+
+c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
+  return b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
+}
+
+}  // namespace
+
+int64_t decode_layer_slots() { return kSlots; }
+
+at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& positions, const at::Tensor& cos_sin,
+                               const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& key_caches,
+                               const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens,
+                               const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_size, int64_t intermediate_size, double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "llama_decode_layers: embeddings [T, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlots && value_caches.size() == key_caches.size() &&
+                  static_cast<int64_t>(windows.size()) == layers,
+              "llama_decode_layers: ", kSlots, " weights, a key cache, a value cache and a window per layer; got ",
+              weights.size(), " weights, ", key_caches.size(), " and ", value_caches.size(), " caches, ",
+              windows.size(), " windows");
+  const int64_t t = embeddings.size(0), hidden = embeddings.size(1);
+  const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
+  TORCH_CHECK(positions.numel() == t && slot_mapping.numel() == t && context_lens.numel() == t,
+              "llama_decode_layers: one position, slot and context length per token");
+
+  // The step's buffers, reused by every layer (the eager path allocates them per call).
+  const auto opts = embeddings.options();
+  at::Tensor residual = embeddings.clone();  // the stream: embeddings, then + each layer's attention and MLP outputs
+  at::Tensor x = at::empty({t, hidden}, opts);
+  at::Tensor qkv = at::empty({t, q_size + 2 * kv_size}, opts);
+  at::Tensor attn = at::empty({t, num_heads, head_size}, opts);
+  at::Tensor gate_up = at::empty({t, 2 * intermediate_size}, opts);
+  at::Tensor act = at::empty({t, intermediate_size}, opts);
+  // Strided views of qkv, as the eager model takes them.
+  at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_size});
+  const at::Tensor q = qk.narrow(1, 0, num_heads);
+  const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_size});
+  at::Tensor attn_rows = attn.view({t, q_size});
+
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kSlots;
+    if (l == 0) {
+      rms_norm(x, residual, w[kInputNorm], eps);
+    } else {  // x holds the previous layer's MLP output
+      fused_add_rms_norm(x, residual, w[kInputNorm], eps);
+    }
+    small_gemm(qkv, x, w[kQkv], bias_of(w[kQkvBias]), 0);
+    rotary_embedding(positions, qk, cos_sin);
+    at::Tensor key_cache = key_caches[l], value_cache = value_caches[l];
+    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);
+    paged_attention(attn, q, key_cache, value_cache, block_tables, context_lens, scale, windows[l]);
+    small_gemm(x, attn_rows, w[kO], bias_of(w[kOBias]), 0);
+    fused_add_rms_norm(x, residual, w[kPostNorm], eps);
+    small_gemm(gate_up, x, w[kGateUp], bias_of(w[kGateUpBias]), 0);
+    silu_and_mul(act, gate_up);
+    small_gemm(x, act, w[kDown], bias_of(w[kDownBias]), 0);
+  }
+  return layers ? residual.add_(x) : residual;
+}
+
+}  // namespace cpu
+}  // namespace pagedserve
