@@ -86,7 +86,7 @@ struct TileOut {
   int64_t n;               // valid output columns
 };
 
-inline void store_row(const TileOut& o, int64_t row, int64_t col0, const float* acc, int64_t count) {
+inline void store_row_scalar(const TileOut& o, int64_t row, int64_t col0, const float* acc, int64_t count) {
   const int64_t valid = std::min(count, o.n - col0);
   for (int64_t j = 0; j < valid; ++j) {
     const float v = acc[j] + (o.bias ? o.bias[col0 + j] : 0.0f);
@@ -98,6 +98,40 @@ inline void store_row(const TileOut& o, int64_t row, int64_t col0, const float* 
   }
 }
 
+// One row of a tile's block (acc: 16 floats) into the output, plus the bias, rounded to bfloat16 where the output
+// is. A whole block goes in vector stores, the same values as the scalar loop (bfloat16 rounded to nearest even as
+// c10::BFloat16 does, NaN as 0x7fc0): the scalar loop held the bfloat16 prefill tiles 13 % back (docs/benchmarks.md,
+// "Time to first token").
+inline void store_row(const TileOut& o, int64_t row, int64_t col0, const float* acc, int64_t count) {
+#if defined(__AVX512F__)
+  if (count == kBlock && col0 + kBlock <= o.n) {
+    __m512 v = _mm512_loadu_ps(acc);  // the AVX2 tiles (in this build too) align their buffer to 32 only
+    v = _mm512_add_ps(v, o.bias ? _mm512_loadu_ps(o.bias + col0) : _mm512_setzero_ps());
+    if (o.out_f32) {
+      _mm512_storeu_ps(o.out_f32 + row * o.out_stride + col0, v);
+      return;
+    }
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.out_bf16 + row * o.out_stride + col0),
+                        _mm512_cvtepi32_epi16(rounded));
+    return;
+  }
+#elif defined(__AVX2__)
+  if (count == kBlock && col0 + kBlock <= o.n && o.out_f32) {
+    for (int h = 0; h < 2; ++h) {
+      __m256 v = _mm256_loadu_ps(acc + 8 * h);
+      v = _mm256_add_ps(v, o.bias ? _mm256_loadu_ps(o.bias + col0 + 8 * h) : _mm256_setzero_ps());
+      _mm256_storeu_ps(o.out_f32 + row * o.out_stride + col0 + 8 * h, v);
+    }
+    return;
+  }
+#endif
+  store_row_scalar(o, row, col0, acc, count);
+}
+
 // ------------------------------------------------------------------ AVX-512
 
 #if defined(__AVX512F__)
@@ -105,12 +139,13 @@ inline void store_row(const TileOut& o, int64_t row, int64_t col0, const float* 
 // float32 weights [blocks][K][16]; x float32 rows (stride xs). R rows, B blocks of 16 columns.
 template <int R, int B>
 void tile_f32_avx512(const float* x, int64_t xs, const float* w, int64_t k, const TileOut& o, int64_t row0,
-                     int64_t col0) {
+                     int64_t col0, const float* next) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   const int64_t bstride = k * kBlock;
   for (int64_t i = 0; i < k; ++i) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + i * kBlock), _MM_HINT_T1);
     __m512 wv[B];
     for (int b = 0; b < B; ++b) {
       _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + (i + kPrefetchAhead) * kBlock), _MM_HINT_T0);
@@ -132,13 +167,14 @@ void tile_f32_avx512(const float* x, int64_t xs, const float* w, int64_t k, cons
 // bfloat16 weights [blocks][K/2][16][2] without vdpbf16ps; x as float32 rows (widened by the caller).
 template <int R, int B>
 void tile_bf16_avx512(const float* x, int64_t xs, const uint32_t* w, int64_t kp, const TileOut& o, int64_t row0,
-                      int64_t col0) {
+                      int64_t col0, const uint32_t* next) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   const int64_t bstride = kp * kBlock;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t p = 0; p < kp; ++p) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + p * kBlock), _MM_HINT_T1);
     __m512 even[B], odd[B];
     for (int b = 0; b < B; ++b) {
       _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + (p + kPrefetchAhead) * kBlock), _MM_HINT_T0);
@@ -173,12 +209,13 @@ PAGEDSERVE_TILE(Bf16Avx512, tile_bf16_avx512)
 // bfloat16 weights [blocks][K/2][16][2] with vdpbf16ps; x as bfloat16 pairs (uint32, row stride xs pairs).
 template <int R, int B>
 void tile_bf16_dp(const uint32_t* x, int64_t xs, const uint32_t* w, int64_t kp, const TileOut& o, int64_t row0,
-                  int64_t col0) {
+                  int64_t col0, const uint32_t* next) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   const int64_t bstride = kp * kBlock;
   for (int64_t p = 0; p < kp; ++p) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + p * kBlock), _MM_HINT_T1);
     __m512bh wv[B];
     for (int b = 0; b < B; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * bstride + p * kBlock);
     for (int r = 0; r < R; ++r) {
@@ -204,12 +241,13 @@ PAGEDSERVE_TILE(Bf16Dp, tile_bf16_dp)
 
 template <int R, int B>
 void tile_f32_avx2(const float* x, int64_t xs, const float* w, int64_t k, const TileOut& o, int64_t row0,
-                   int64_t col0) {
+                   int64_t col0, const float* next) {
   __m256 acc[R][2 * B];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2 * B; ++h) acc[r][h] = _mm256_setzero_ps();
   const int64_t bstride = k * kBlock;
   for (int64_t i = 0; i < k; ++i) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + i * kBlock), _MM_HINT_T1);
     __m256 wv[2 * B];
     for (int b = 0; b < B; ++b) {
       wv[2 * b] = _mm256_loadu_ps(w + b * bstride + i * kBlock);
@@ -231,13 +269,14 @@ void tile_f32_avx2(const float* x, int64_t xs, const float* w, int64_t k, const 
 
 template <int R, int B>
 void tile_bf16_avx2(const float* x, int64_t xs, const uint32_t* w, int64_t kp, const TileOut& o, int64_t row0,
-                    int64_t col0) {
+                    int64_t col0, const uint32_t* next) {
   __m256 acc[R][2 * B];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2 * B; ++h) acc[r][h] = _mm256_setzero_ps();
   const int64_t bstride = kp * kBlock;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t p = 0; p < kp; ++p) {
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + p * kBlock), _MM_HINT_T1);
     __m256 even[2 * B], odd[2 * B];
     for (int h = 0; h < 2 * B; ++h) {
       const __m256i pairs = _mm256_loadu_si256(
@@ -272,7 +311,7 @@ PAGEDSERVE_TILE(Bf16Avx2, tile_bf16_avx2)
 
 // A tile kernel: R rows, B blocks; X is the x element type it reads, W the packed weight element type.
 template <typename X, typename W>
-using TileFn = void (*)(const X*, int64_t, const W*, int64_t, const TileOut&, int64_t, int64_t);
+using TileFn = void (*)(const X*, int64_t, const W*, int64_t, const TileOut&, int64_t, int64_t, const W*);
 
 // Tile kernels for every r <= RMax rows and b <= BMax blocks: fn[(r - 1) * BMax + (b - 1)].
 template <typename X, typename W, int RMax, int BMax>
@@ -295,17 +334,26 @@ constexpr Kernels<X, W, RMax, BMax> kernels_of() {
 // Runs the tiles of blocks [b0, b1) for all m rows: kRowChunk rows at a time (their x stays in L2 while every
 // block passes over it), and within a chunk kBlocks blocks at a time, kRows rows per pass (the weight tile is
 // read once from memory and again from cache for each further pass).
+// With kPrefetchNext (the tall tiles of a prefill), the first passes over a tile also pull the next tile into L2,
+// one block per pass and one cache line per k: without it the first pass over each tile waits on memory (it needs
+// the weights ~4x faster than one core reads them). Measured +1-3 % on a cold 128-row sweep (docs/benchmarks.md,
+// "Time to first token").
 // w_block: elements of W per block; xs: elements between x rows.
-template <typename X, typename W, int RMax, int BMax>
+template <bool kPrefetchNext, typename X, typename W, int RMax, int BMax>
 void run_blocks(const Kernels<X, W, RMax, BMax>& k, const X* x, int64_t xs, const W* w, int64_t w_block,
                 int64_t depth, const TileOut& o, int64_t m, int64_t b0, int64_t b1) {
   for (int64_t c = 0; c < m; c += kRowChunk) {
     const int64_t c1 = std::min(m, c + kRowChunk);
     for (int64_t b = b0; b < b1; b += BMax) {
       const int nb = static_cast<int>(std::min<int64_t>(BMax, b1 - b));
-      for (int64_t r = c; r < c1; r += RMax) {
+      // The tile after this one: the next blocks of this chunk, else the first of the next chunk, else none.
+      const int64_t after = b + nb < b1 ? b + nb : (c1 < m ? b0 : b1);
+      const int64_t next_blocks = kPrefetchNext ? std::min<int64_t>(BMax, b1 - after) : 0;
+      int64_t pass = 0;
+      for (int64_t r = c; r < c1; r += RMax, ++pass) {
         const int nr = static_cast<int>(std::min<int64_t>(RMax, c1 - r));
-        k.fn[(nr - 1) * BMax + (nb - 1)](x + r * xs, xs, w + b * w_block, depth, o, r, b * kBlock);
+        const W* next = pass < next_blocks ? w + (after + pass) * w_block : nullptr;
+        k.fn[(nr - 1) * BMax + (nb - 1)](x + r * xs, xs, w + b * w_block, depth, o, r, b * kBlock, next);
       }
     }
   }
@@ -328,11 +376,11 @@ void run_path(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& w
               const W* w, int64_t w_block, int64_t depth, const TileOut& o, int64_t m, int64_t blocks) {
   if (m <= kSmallRows) {
     over_threads(blocks, kMinBlocksPerThread, [&](int64_t b0, int64_t b1) {
-      run_blocks(small, x, xs, w, w_block, depth, o, m, b0, b1);
+      run_blocks<false>(small, x, xs, w, w_block, depth, o, m, b0, b1);
     });
   } else {
     over_threads(blocks, kMinBlocksPerThreadWide, [&](int64_t b0, int64_t b1) {
-      run_blocks(wide, x, xs, w, w_block, depth, o, m, b0, b1);
+      run_blocks<true>(wide, x, xs, w, w_block, depth, o, m, b0, b1);
     });
   }
 }

@@ -63,6 +63,29 @@ def test_small_gemm_splits_columns_over_threads(isa, dtype):
         torch.testing.assert_close(outs[0], _expected(x, weight, None), **_tolerance(dtype, k))
 
 
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != ops.SMALL_GEMM_AVX512_BF16])
+def test_small_gemm_rounds_bfloat16_as_torch_does(isa):
+    """The paths that widen bfloat16 sum in float32 in the float32 kernel's order: their bfloat16 output is that
+    float32 result rounded to nearest even, bit for bit (the vector epilogue against torch's rounding), bias
+    included; a NaN input gives NaN where torch's would."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 200, 96  # 12 full blocks and a partial one
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed16, packed32 = pack_small_rows(weight), pack_small_rows(weight.float())
+    for rows in (1, 5, 16, 17, 40):  # the decode tiles and the prefill tiles
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        x[0, 3] = float("nan")
+        for b in (None, bias):
+            got = ops.small_gemm(torch.empty(rows, n, dtype=torch.bfloat16), x, packed16, b, isa)
+            wide = ops.small_gemm(torch.empty(rows, n), x.float(), packed32, None if b is None else b.float(), isa)
+            want = wide.bfloat16()
+            nan = want.isnan()
+            assert nan[0].all() and not nan[1:].any()
+            assert torch.equal(got.isnan(), nan)
+            assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_small_gemm_reads_strided_rows_and_writes_strided_out(dtype):
     gen = torch.Generator().manual_seed(3)
