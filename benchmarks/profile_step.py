@@ -10,6 +10,7 @@ itself is unchanged). Optionally a torch.profiler table of the forward's ops.
     .venv/bin/python benchmarks/profile_step.py --dtype bfloat16      # bf16 weights and activations
     .venv/bin/python benchmarks/profile_step.py --prefill             # one 128-token prefill (TTFT's forward)
     .venv/bin/python benchmarks/profile_step.py --batch 1 --compare-eager   # compiled decode step against eager
+    .venv/bin/python benchmarks/profile_step.py --prefill --compare-eager   # the same for a 128-token prefill
     py-spy record -o step.svg -- .venv/bin/python benchmarks/profile_step.py --steps 200
 """
 from __future__ import annotations
@@ -91,8 +92,14 @@ def profile_prefill(engine, timer: StageTimer, args) -> None:
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    forward_ms, step_ms = [], []
+    model = engine.model_runner.model
+    # --compare-eager: alternate the compiled step and the eager one prefill by prefill (a noisy neighbour hits both).
+    modes = (True, False) if args.compare_eager else (model.compiled_decode,)
+    forward_ms: dict[bool, list[float]] = {mode: [] for mode in modes}
+    step_ms: dict[bool, list[float]] = {mode: [] for mode in modes}
     for i, prompt in enumerate(make_prompts(args.steps + 2, args.input_len, 1)):  # distinct prompts: no prefix hits
+        mode = modes[i % len(modes)]
+        model.compiled_decode = mode
         engine.add_request(f"p{i}", prompt_token_ids=prompt, params=params)
         timer.totals.clear()
         timer.enabled = i >= 2  # two warm-up prefills
@@ -100,15 +107,17 @@ def profile_prefill(engine, timer: StageTimer, args) -> None:
         while engine.has_unfinished_requests():
             engine.step()
         if timer.enabled:
-            step_ms.append((time.perf_counter() - start) * 1000)
-            forward_ms.append(timer.totals["forward"] * 1000)
+            step_ms[mode].append((time.perf_counter() - start) * 1000)
+            forward_ms[mode].append(timer.totals["forward"] * 1000)
         timer.enabled = False
-    forward_ms.sort()
-    step_ms.sort()
-    med = len(forward_ms) // 2
-    print(f"prefill of {args.input_len} tokens, dtype {engine.dtype}, {torch.get_num_threads()} torch threads, "
-          f"{len(forward_ms)} runs: forward median {forward_ms[med]:.1f} ms (best {forward_ms[0]:.1f}), "
-          f"step median {step_ms[med]:.1f} ms (best {step_ms[0]:.1f})")
+    model.compiled_decode = modes[0]
+    for mode in modes:
+        forward, step = sorted(forward_ms[mode]), sorted(step_ms[mode])
+        med = len(forward) // 2
+        label = "" if len(modes) == 1 else (" compiled" if mode else " eager")
+        print(f"prefill of {args.input_len} tokens{label}, dtype {engine.dtype}, {torch.get_num_threads()} torch "
+              f"threads, {len(forward)} runs: forward median {forward[med]:.1f} ms (best {forward[0]:.1f}), "
+              f"step median {step[med]:.1f} ms (best {step[0]:.1f})")
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -122,7 +131,10 @@ def profile_prefill(engine, timer: StageTimer, args) -> None:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(
             {"mode": "prefill", "input_len": args.input_len, "dtype": str(engine.dtype),
-             "threads": torch.get_num_threads(), "forward_ms": forward_ms, "step_ms": step_ms}, indent=2))
+             "threads": torch.get_num_threads(),
+             **({"forward_ms": forward_ms[modes[0]], "step_ms": step_ms[modes[0]]} if len(modes) == 1 else
+                {"compiled": {"forward_ms": forward_ms[True], "step_ms": step_ms[True]},
+                 "eager": {"forward_ms": forward_ms[False], "step_ms": step_ms[False]}})}, indent=2))
 
 
 def main() -> None:
@@ -138,8 +150,8 @@ def main() -> None:
                    help="time --steps single-sequence prefills of --input-len tokens instead of decode steps")
     p.add_argument("--enforce-eager", action="store_true", help="every step op by op (no compiled decode step)")
     p.add_argument("--compare-eager", action="store_true",
-                   help="A/B in one engine: --steps decode steps in chunks of 8 alternating the compiled decode step "
-                        "and the eager one; prints each one's median step time")
+                   help="A/B in one engine: --steps decode steps in chunks of 8 alternating the compiled step and "
+                        "the eager one (with --prefill: prefill by prefill); prints each one's median step time")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     if args.threads:

@@ -177,13 +177,16 @@ torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::
                                   const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& weights,
                                   const std::vector<torch::Tensor>& key_caches,
                                   const std::vector<torch::Tensor>& value_caches, const torch::Tensor& slot_mapping,
+                                  const std::vector<int64_t>& prefill_spans,
+                                  const std::vector<torch::Tensor>& prefill_tables,
                                   const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                   const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_size, int64_t intermediate_size, double eps, double scale) {
   cpu_only({&embeddings, &positions, &cos_sin}, "llama_decode_layers");
   for (const auto& c : key_caches) cpu_only({&c}, "llama_decode_layers");
   return pagedserve::cpu::llama_decode_layers(embeddings, positions, cos_sin, weights, key_caches, value_caches,
-                                              slot_mapping, block_tables, context_lens, windows, num_heads,
+                                              slot_mapping, prefill_spans, prefill_tables, block_tables,
+                                              context_lens, windows, num_heads,
                                               num_kv_heads, head_size, intermediate_size, eps, scale);
 }
 
@@ -228,7 +231,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm", &small_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"),
         py::arg("bias"), py::arg("isa") = 0, "out = x @ W^T (+ bias) for a few rows over a small-row packed W");
   m.def("llama_decode_layers", &llama_decode_layers, release_gil(),
-        "every decoder layer of a Llama-family decode step in one call (the kernels above, in the eager order)");
+        "every decoder layer of a Llama-family CPU step in one call (the kernels above, in the eager order)");
   m.def("decode_layer_slots", &pagedserve::cpu::decode_layer_slots, "tensors per layer in llama_decode_layers");
   m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,

@@ -119,13 +119,16 @@ void small_gemm(
 // The best small_gemm path this build has (the isa codes above), 0 when none.
 int64_t small_gemm_isa();
 
-// ---- a decode step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
+// ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
-// Runs every decoder layer of a Llama-family model on T decode tokens (one per sequence) with the kernels
-// above, exactly as engine/models/llama.py's eager layers call them, and returns the residual stream after
-// the last layer (before the final norm): [T, hidden]. Each layer's decode_layer_slots() tensors lie in
-// `weights` in the order input norm, qkv, qkv bias, o, o bias, post-attention norm, gate_up, gate_up bias,
-// down, down bias; linears as pack_small_rows weights, an absent bias as an empty tensor.
+// Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, exactly as
+// engine/models/llama.py's eager layers call them, and returns the residual stream after the last layer (before
+// the final norm): [T, hidden]. The tokens are laid out as the eager step's: the prefill spans first (each a
+// (start, end, context_len) triple in `prefill_spans`; its table in `prefill_tables`, empty when the span has no
+// cached prefix and attends over its own rows), then one decode token per sequence. Each layer's
+// decode_layer_slots() tensors lie in `weights` in the order input norm, qkv, qkv bias, o, o bias,
+// post-attention norm, gate_up, gate_up bias, down, down bias; linears as pack_small_rows weights, an absent
+// bias as an empty tensor.
 at::Tensor llama_decode_layers(
     const at::Tensor& embeddings,                 // [T, hidden]
     const at::Tensor& positions,                  // [T] int64
@@ -134,8 +137,10 @@ at::Tensor llama_decode_layers(
     const std::vector<at::Tensor>& key_caches,    // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
     const std::vector<at::Tensor>& value_caches,  // num_layers x the same
     const at::Tensor& slot_mapping,               // [T] int64
-    const at::Tensor& block_tables,               // [T, max_blocks_per_seq] int32
-    const at::Tensor& context_lens,               // [T] int32
+    const std::vector<int64_t>& prefill_spans,    // 3 per prefill: start, end, context_len
+    const std::vector<at::Tensor>& prefill_tables,  // 1 per prefill: [num_seq_blocks] int32, or empty
+    const at::Tensor& block_tables,               // [D, max_blocks_per_seq] int32 for the D decode tokens
+    const at::Tensor& context_lens,               // [D] int32
     const std::vector<int64_t>& windows,          // per layer: its sliding window, 0 for the whole context
     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size, double eps,
     double scale);

@@ -52,7 +52,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Seconds the ranks wait for each other to start, and at most in any one collective.
     distributed_timeout: float = 120.0
-    # Accepted for vLLM compatibility; no effect yet: every step runs eagerly (no CUDA graphs, no compiled step).
+    # Every step op by op (the reference). Off: a CPU step runs its decoder layers in one compiled call
+    # (engine/models/compiled_decode.py), bit-identical; CUDA steps always run eagerly (no CUDA graphs yet).
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

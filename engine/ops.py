@@ -260,20 +260,23 @@ def decode_layer_slots() -> int:
 
 
 def llama_decode_layers(
-    embeddings: torch.Tensor,  # [T, hidden]: one decode token per sequence
+    embeddings: torch.Tensor,  # [T, hidden]: the prefill spans' tokens, then one decode token per sequence
     positions: torch.Tensor,  # [T] int64
     cos_sin: torch.Tensor,  # [max_position, head_size] float32
     weights: list[torch.Tensor],  # num_layers * decode_layer_slots() (engine/models/compiled_decode.py)
     key_caches: list[torch.Tensor],  # per layer [num_blocks, num_kv_heads, block_size, head_size]
     value_caches: list[torch.Tensor],
     slot_mapping: torch.Tensor,  # [T] int64
-    block_tables: torch.Tensor,  # [T, max_blocks] int32
-    context_lens: torch.Tensor,  # [T] int32
+    prefill_spans: list[int],  # 3 per prefill span: start, end, context_len (rows from 0, in order)
+    prefill_tables: list[torch.Tensor],  # 1 per span: [num_seq_blocks] int32 with a cached prefix, else empty
+    block_tables: torch.Tensor,  # [D, max_blocks] int32 for the D decode tokens (any [0, 1] tensor when none)
+    context_lens: torch.Tensor,  # [D] int32
     windows: list[int],  # per layer, 0 for none
     num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int, eps: float, scale: float,
 ) -> torch.Tensor:
-    """Every decoder layer of a Llama-family decode step in one compiled call (csrc/cpu/decode_layers.cpp): the
+    """Every decoder layer of a Llama-family CPU step in one compiled call (csrc/cpu/decode_layers.cpp): the
     residual stream after the last layer, [T, hidden], bit-identical to the eager layers'. CPU, compiled only."""
     return _load().llama_decode_layers(embeddings, positions, cos_sin, weights, key_caches, value_caches,
-                                       slot_mapping, block_tables, context_lens, windows, num_heads, num_kv_heads,
-                                       head_size, intermediate_size, float(eps), float(scale))
+                                       slot_mapping, prefill_spans, prefill_tables, block_tables, context_lens,
+                                       windows, num_heads, num_kv_heads, head_size, intermediate_size, float(eps),
+                                       float(scale))

@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--distributed-timeout", type=float, default=120.0,
                        help="seconds the tensor-parallel ranks wait for each other to start, and in any collective")
     serve.add_argument("--enforce-eager", action="store_true",
-                       help="run every step op by op in Python (the reference path). By default a CPU decode "
-                            "step runs all its layers in one compiled call (same kernels, same tokens and "
-                            "logprobs); CUDA steps always run eagerly (no CUDA graphs yet)")
+                       help="run every step op by op in Python (the reference path). By default a CPU step "
+                            "(decode and prefill) runs all its layers in one compiled call (same kernels, same "
+                            "tokens and logprobs); CUDA steps always run eagerly (no CUDA graphs yet)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

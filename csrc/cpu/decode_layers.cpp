@@ -1,12 +1,14 @@
-// A Llama-family decode step's decoder layers as one C++ loop (the CPU twin of a captured CUDA graph).
+// A Llama-family CPU step's decoder layers as one C++ loop (the CPU twin of a captured CUDA graph).
 //
-// The eager model (engine/models/llama.py) runs each layer as ~12 Python-level op calls: at one sequence
-// that Python and dispatch cost ~150 us a layer, ~4.5 ms a step of SmolLM2's 30 layers, next to ~14 ms of
-// weight reading (docs/benchmarks.md, "Compiled decode step"). Here the same kernels are called directly,
-// in the same order on the same buffers, so the result is bit-identical to the eager path's; only the calls
-// between them are gone. Every linear is a small-row GEMM over its pack_small_rows weight.
+// The eager model (engine/models/llama.py) runs each layer as ~12 Python-level op calls: that Python and dispatch
+// cost ~150 us a layer, ~4.5 ms a step of SmolLM2's 30 layers, next to ~14 ms of weight reading in a decode step
+// (docs/benchmarks.md, "Compiled decode step"). Here the same kernels are called directly, in the same order on
+// the same buffers, so the result is bit-identical to the eager path's; only the calls between them are gone.
+// Every linear is a small-row GEMM over its pack_small_rows weight. A step may hold prefill spans (prompts, or
+// chunks of them) before its decode tokens, as the eager step does.
 #include <c10/util/Exception.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include "../ops.h"
 
@@ -31,9 +33,11 @@ int64_t decode_layer_slots() { return kSlots; }
 at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& positions, const at::Tensor& cos_sin,
                                const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& key_caches,
                                const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
-                               const at::Tensor& block_tables, const at::Tensor& context_lens,
-                               const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_size, int64_t intermediate_size, double eps, double scale) {
+                               const std::vector<int64_t>& prefill_spans,
+                               const std::vector<at::Tensor>& prefill_tables, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, const std::vector<int64_t>& windows,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size,
+                               double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "llama_decode_layers: embeddings [T, hidden]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlots && value_caches.size() == key_caches.size() &&
@@ -43,8 +47,22 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
               windows.size(), " windows");
   const int64_t t = embeddings.size(0), hidden = embeddings.size(1);
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
-  TORCH_CHECK(positions.numel() == t && slot_mapping.numel() == t && context_lens.numel() == t,
-              "llama_decode_layers: one position, slot and context length per token");
+  TORCH_CHECK(positions.numel() == t && slot_mapping.numel() == t,
+              "llama_decode_layers: one position and one slot per token");
+  const int64_t spans = static_cast<int64_t>(prefill_tables.size());
+  TORCH_CHECK(static_cast<int64_t>(prefill_spans.size()) == 3 * spans,
+              "llama_decode_layers: a (start, end, context_len) triple and a table per prefill span");
+  int64_t prefill_tokens = 0;  // the spans are contiguous from row 0, in order (the eager step's layout)
+  for (int64_t s = 0; s < spans; ++s) {
+    const int64_t start = prefill_spans[3 * s], end = prefill_spans[3 * s + 1], context = prefill_spans[3 * s + 2];
+    TORCH_CHECK(start == prefill_tokens && end > start && end <= t && context >= end - start,
+                "llama_decode_layers: prefill span ", s, " is [", start, ", ", end, ") over ", context,
+                " tokens after ", prefill_tokens, " prefill rows of ", t);
+    prefill_tokens = end;
+  }
+  const int64_t decodes = t - prefill_tokens;
+  TORCH_CHECK(decodes == 0 || (context_lens.numel() == decodes && block_tables.size(0) == decodes),
+              "llama_decode_layers: a context length and a block table row per decode token (", decodes, ")");
 
   // The step's buffers, reused by every layer (the eager path allocates them per call).
   const auto opts = embeddings.options();
@@ -60,6 +78,19 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
   const at::Tensor k = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_size});
   at::Tensor attn_rows = attn.view({t, q_size});
+  // Per prefill span: its rows of the output, the query, and (no cached prefix) its own K/V seen as one block
+  // [1, num_kv_heads, len, head_size] with the table {0}, as engine/attention.py's _prefill_cpu passes them.
+  const at::Tensor one_block = at::zeros({1}, positions.options().dtype(at::kInt));
+  std::vector<at::Tensor> span_out, span_q, span_k, span_v;
+  for (int64_t s = 0; s < spans; ++s) {
+    const int64_t start = prefill_spans[3 * s], len = prefill_spans[3 * s + 1] - start;
+    span_out.push_back(attn.narrow(0, start, len));
+    span_q.push_back(q.narrow(0, start, len));
+    span_k.push_back(k.narrow(0, start, len).transpose(0, 1).unsqueeze(0));
+    span_v.push_back(v.narrow(0, start, len).transpose(0, 1).unsqueeze(0));
+  }
+  at::Tensor decode_out = attn.narrow(0, prefill_tokens, decodes);
+  const at::Tensor decode_q = q.narrow(0, prefill_tokens, decodes);
 
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kSlots;
@@ -72,7 +103,18 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     rotary_embedding(positions, qk, cos_sin);
     at::Tensor key_cache = key_caches[l], value_cache = value_caches[l];
     reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);
-    paged_attention(attn, q, key_cache, value_cache, block_tables, context_lens, scale, windows[l]);
+    for (int64_t s = 0; s < spans; ++s) {
+      const int64_t context = prefill_spans[3 * s + 2];
+      if (prefill_tables[s].numel() == 0) {
+        prefill_attention(span_out[s], span_q[s], span_k[s], span_v[s], one_block, context, scale, windows[l]);
+      } else {  // the blocks hold the cached prefix and, just written, this span's K/V
+        prefill_attention(span_out[s], span_q[s], key_cache, value_cache, prefill_tables[s], context, scale,
+                          windows[l]);
+      }
+    }
+    if (decodes) {
+      paged_attention(decode_out, decode_q, key_cache, value_cache, block_tables, context_lens, scale, windows[l]);
+    }
     small_gemm(x, attn_rows, w[kO], bias_of(w[kOBias]), 0);
     fused_add_rms_norm(x, residual, w[kPostNorm], eps);
     small_gemm(gate_up, x, w[kGateUp], bias_of(w[kGateUpBias]), 0);

@@ -385,17 +385,13 @@ void run_path(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& w
   }
 }
 
-// x rows widened to float32 (bfloat16 input on the paths without vdpbf16ps), K padded to `width` with zeros.
+// bfloat16 x rows widened to float32 (the paths without vdpbf16ps), K padded to `width` with zeros.
 std::vector<float> widened(const at::Tensor& x, int64_t width) {
   const int64_t m = x.size(0), k = x.size(1);
   std::vector<float> buf(m * width, 0.0f);
   for (int64_t r = 0; r < m; ++r) {
-    if (x.scalar_type() == at::kFloat) {
-      std::memcpy(buf.data() + r * width, x.data_ptr<float>() + r * x.stride(0), k * sizeof(float));
-    } else {
-      const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r * x.stride(0);
-      for (int64_t i = 0; i < k; ++i) buf[r * width + i] = static_cast<float>(src[i]);
-    }
+    const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r * x.stride(0);
+    for (int64_t i = 0; i < k; ++i) buf[r * width + i] = static_cast<float>(src[i]);
   }
   return buf;
 }
@@ -456,21 +452,24 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
     return;
   }
 #endif
-  // The paths below read x as float32, K padded to the packed depth.
-  const std::vector<float> xf = widened(x, bf16 ? 2 * depth : k);
-  const int64_t xs = bf16 ? 2 * depth : k;
+  // The paths below read x as float32 rows: bfloat16 widened into a buffer (K padded to the packed depth),
+  // float32 in place (a copy cost a fresh buffer and a pass over x per call: 5-10 ms of a 128-row sweep of
+  // SmolLM2's 120 linears in an A/B).
+  const std::vector<float> xf = bf16 ? widened(x, 2 * depth) : std::vector<float>();
+  const float* xp = bf16 ? xf.data() : x.data_ptr<float>();
+  const int64_t xs = bf16 ? 2 * depth : x.stride(0);
 #if defined(__AVX512F__)
   if (use >= kAvx512) {
     if (bf16) {
       static constexpr auto small = kernels_of<Bf16Avx512, float, uint32_t, 4, 2>();
       static constexpr auto wide = kernels_of<Bf16Avx512, float, uint32_t, 8, 2>();
       const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-      run_path(small, wide, xf.data(), xs, w, w_block / 2, depth, o, m, blocks);
+      run_path(small, wide, xp, xs, w, w_block / 2, depth, o, m, blocks);
     } else {
       static constexpr auto small = kernels_of<F32Avx512, float, float, 4, 4>();
       static constexpr auto wide = kernels_of<F32Avx512, float, float, 8, 3>();
       const float* w = packed.data_ptr<float>();
-      run_path(small, wide, xf.data(), xs, w, w_block, depth, o, m, blocks);
+      run_path(small, wide, xp, xs, w, w_block, depth, o, m, blocks);
     }
     return;
   }
@@ -480,12 +479,12 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
     // 16 ymm: one block (two ymm halves) and at most 4 rows (8 accumulators, 4 widened pairs, 2 broadcasts).
     static constexpr auto tiles = kernels_of<Bf16Avx2, float, uint32_t, 4, 1>();
     const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-    run_path(tiles, tiles, xf.data(), xs, w, w_block / 2, depth, o, m, blocks);
+    run_path(tiles, tiles, xp, xs, w, w_block / 2, depth, o, m, blocks);
   } else {
     static constexpr auto small = kernels_of<F32Avx2, float, float, 4, 1>();
     static constexpr auto wide = kernels_of<F32Avx2, float, float, 6, 1>();  // 12 accumulators, 2 weights, 1 x
     const float* w = packed.data_ptr<float>();
-    run_path(small, wide, xf.data(), xs, w, w_block, depth, o, m, blocks);
+    run_path(small, wide, xp, xs, w, w_block, depth, o, m, blocks);
   }
   return;
 #endif

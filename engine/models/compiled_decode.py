@@ -1,16 +1,18 @@
-"""A CPU decode step's decoder layers in one compiled call (csrc/cpu/decode_layers.cpp) instead of op-by-op Python.
+"""A CPU step's decoder layers in one compiled call (csrc/cpu/decode_layers.cpp) instead of op-by-op Python.
 
 The eager layers (engine/models/llama.py) call ~12 ops per layer through Python; at one sequence that costs
 ~150 us a layer (docs/benchmarks.md, "Compiled decode step"). llama_decode_layers runs the same kernels in the
 same order on the same buffers from C++, so its result is bit-identical to the eager forward's: only the Python
-between the kernels is gone. The eager path stays the reference: `--enforce-eager` (EngineConfig.enforce_eager)
-switches this one off, and every step it does not cover runs eagerly:
+between the kernels is gone. It was built for decode steps, where those calls were ~25 % of the step; it runs
+prefill and mixed prefill + decode steps too (their prompts with or without a cached prefix), which saves the
+same few milliseconds of a first token. The eager path stays the reference: `--enforce-eager`
+(EngineConfig.enforce_eager) switches this one off, and every step it does not cover runs eagerly:
 
-- prefills and mixed prefill + decode steps (their cost is in the GEMMs, not in the calls);
 - CUDA (the ops' CUDA kernels; CUDA graphs would be that device's twin of this), the torch-reference backend;
 - tensor parallelism (the all-reduces are Python collectives);
 - linears not served by the small-row kernel at this row count (oneDNN's rows, PAGEDSERVE_SMALL_ROW_LINEAR=0,
-  a model whose linears were not packed).
+  a model whose linears were not packed): on a CPU where oneDNN keeps the prefill (float32 on AVX2, bfloat16
+  with AVX-512 BF16) only steps of up to 16 tokens.
 
 Nothing is traced or generated at run time: the loop is part of the ops' JIT build (engine/ops_loader.py, cached
 under $PAGEDSERVE_CACHE, with its progress line at the first build).
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
 
 _NO_BIAS = torch.empty(0)
+_NO_TABLE = torch.empty(0, dtype=torch.int32)  # a prefill span without a cached prefix; no decode context lengths
+_NO_TABLES = torch.empty(0, 1, dtype=torch.int32)  # no decode tokens
 
 
 class CompiledDecode:
@@ -81,24 +85,37 @@ class CompiledDecode:
         return cls(model, [w.detach() for w in weights], max_rows)
 
     def serves(self, x: torch.Tensor, kv_caches: Optional[list[KVCache]], meta: AttentionMetadata) -> bool:
-        """Whether this step is one the compiled loop runs: decode tokens only, on a real cache, few enough rows."""
+        """Whether this step is one the compiled loop runs: on a real CPU cache, every linear on the small-row
+        kernel at this row count, the prefill spans laid out from row 0 and the decode tokens after them."""
         rows = x.shape[0]
-        return (
+        if not (
             self.model.compiled_decode
             and kv_caches is not None
-            and meta.num_prefill_tokens == 0
-            and 0 < rows == meta.num_decode_tokens <= self.max_rows
+            and 0 < rows <= self.max_rows
+            and rows == meta.num_prefill_tokens + meta.num_decode_tokens
             and x.device.type == "cpu"
             and kv_caches[0][0].numel() > 0
-        )
+            and meta.prefill_bias is None
+        ):
+            return False
+        row = 0
+        for span in meta.prefills:
+            if span.start != row or (span.num_cached and span.block_table is None):
+                return False
+            row = span.end
+        return row == meta.num_prefill_tokens
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                  meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden] before the final norm, as forward returns
         heads, kv_heads, head_dim, inter = self.shape
         self.steps_run += 1
+        spans = [n for p in meta.prefills for n in (p.start, p.end, p.context_len)]
+        tables = [p.block_table if p.num_cached else _NO_TABLE for p in meta.prefills]
+        decoding = meta.num_decode_tokens > 0
         return ops.llama_decode_layers(
             x, positions, self.model.rotary.table(x.device), self.weights, [c[0] for c in kv_caches],
-            [c[1] for c in kv_caches], meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+            [c[1] for c in kv_caches], meta.slot_mapping, spans, tables,
+            meta.decode_block_tables if decoding else _NO_TABLES, meta.decode_context_lens if decoding else _NO_TABLE,
             self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale,
         )
 

@@ -1,7 +1,7 @@
-"""The compiled decode step (csrc/cpu/decode_layers.cpp) against the eager layers: the same tokens and bit-identical
+"""The compiled step (csrc/cpu/decode_layers.cpp) against the eager layers: the same tokens and bit-identical
 logprobs on every Llama-family variant the model serves (GQA, Qwen2's qkv bias, Llama's attention and MLP biases,
-Mistral's sliding window), in float32 and bfloat16; and the eager path taken wherever the compiled one does not
-serve."""
+Mistral's sliding window), in float32 and bfloat16, for decode steps, prefills (with and without a cached prefix)
+and chunked prefill's mixed steps; and the eager path taken wherever the compiled one does not serve."""
 from __future__ import annotations
 
 import random
@@ -49,42 +49,65 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _run(model_dir, dtype: str, enforce_eager: bool, **kwargs):
+def _run(model_dir, dtype: str, enforce_eager: bool, prompts=None, rounds: int = 1, **kwargs):
     llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=enforce_eager, max_model_len=128, block_size=16,
               num_gpu_blocks_override=64, num_cpu_blocks_override=16, seed=0, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
-    outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=params, use_tqdm=False)
-    return outputs, CompiledDecode.of(llm.engine.model_runner.model)
+    for _ in range(rounds):
+        outputs = llm.generate(prompt_token_ids=prompts or _prompts(), sampling_params=params, use_tqdm=False)
+    return outputs, CompiledDecode.of(llm.engine.model_runner.model), llm
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_decode_equals_eager_bit_for_bit(model_dir, dtype):
-    compiled, plan = _run(model_dir, dtype, enforce_eager=False)
-    eager, eager_plan = _run(model_dir, dtype, enforce_eager=True)
-    assert plan is not None and plan.steps_run >= 19, "every decode step ran compiled"
-    assert eager_plan is None or eager_plan.steps_run == 0, "--enforce-eager ran no compiled step"
-    for a, b in zip(compiled, eager):
+def _assert_bit_identical(compiled, eager) -> None:
+    for a, b in zip(compiled, eager, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         # The same kernels on the same buffers in the same order: not close, equal.
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
         assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
 
 
-def test_steps_the_compiled_loop_does_not_serve_run_eagerly(model_dir):
-    """Prefills, mixed prefill + decode steps (chunked prefill of a long prompt beside decodes) and a model whose
-    linears are not packed run the eager layers, and still give the same tokens."""
-    reference, _ = _run(model_dir, "float32", enforce_eager=True)
-    chunked, plan = _run(model_dir, "float32", enforce_eager=False, enable_chunked_prefill=True,
-                         max_num_batched_tokens=16, max_num_seqs=4)
-    assert [o.outputs[0].token_ids for o in chunked] == [o.outputs[0].token_ids for o in reference]
-    assert 0 < plan.steps_run < 20, "decode-only steps compiled; the chunked prompt's steps (mixed) eager"
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_decode_equals_eager_bit_for_bit(model_dir, dtype):
+    compiled, plan, _ = _run(model_dir, dtype, enforce_eager=False)
+    eager, eager_plan, _ = _run(model_dir, dtype, enforce_eager=True)
+    assert plan is not None and plan.steps_run >= 19, "every decode step ran compiled"
+    if plan.max_rows >= sum(PROMPT_LENS):  # the small-row kernel serves the prefill's rows too (this CPU, dtype)
+        assert plan.steps_run == 20, "the prefill step ran compiled too"
+    assert eager_plan is None or eager_plan.steps_run == 0, "--enforce-eager ran no compiled step"
+    _assert_bit_identical(compiled, eager)
+
+
+def test_chunked_prefill_mixed_steps_equal_eager_bit_for_bit(model_dir):
+    """Chunked prefill: steps of prompt chunks beside decode tokens (spans starting mid-prompt, over the cached
+    chunks before them) run compiled, and equal the eager chunked run bit for bit."""
+    chunking = dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)
+    eager, _, _ = _run(model_dir, "float32", enforce_eager=True, **chunking)
+    chunked, plan, _ = _run(model_dir, "float32", enforce_eager=False, **chunking)
+    assert plan.steps_run >= 20, "the chunked prompts' steps (mixed prefill + decode, at most 16 rows) compiled"
+    _assert_bit_identical(chunked, eager)
+
+
+def test_prefill_over_a_cached_prefix_equals_eager_bit_for_bit(model_dir):
+    """Prefix caching: the second round's prompts read two cached blocks back and prefill only their tails."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, TINY["vocab_size"]) for _ in range(32)]
+    prompts = [prefix + [rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in (1, 6, 17)]
+    runs = {}
+    for eager in (False, True):
+        outputs, plan, llm = _run(model_dir, "float32", enforce_eager=eager, prompts=prompts, rounds=2,
+                                  enable_prefix_caching=True)
+        assert llm.engine.get_stats().prefix_cache_hit_rate > 0
+        runs[eager] = outputs
+        if not eager and plan.max_rows >= 3 * 17:
+            assert plan.steps_run == 40, "both rounds' prefills ran compiled"
+    _assert_bit_identical(runs[False], runs[True])
 
 
 
 def test_linears_left_to_onednn_run_eagerly(model_dir, monkeypatch):
     """PAGEDSERVE_SMALL_ROW_LINEAR=0 packs the linears for oneDNN only: no plan, every step eager, same tokens."""
-    reference, _ = _run(model_dir, "float32", enforce_eager=True)
+    reference, _, _ = _run(model_dir, "float32", enforce_eager=True)
     monkeypatch.setenv("PAGEDSERVE_SMALL_ROW_LINEAR", "0")
-    outputs, plan = _run(model_dir, "float32", enforce_eager=False)
+    outputs, plan, _ = _run(model_dir, "float32", enforce_eager=False)
     assert plan is None
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
