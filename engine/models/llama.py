@@ -242,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(a.hidden_size, local_vocab, bias=False, dtype=dtype)
         self.tie_weights()
-        # Decode steps through the compiled layer loop where it serves (engine/models/compiled_decode.py);
+        # CPU steps through the compiled layer loop where it serves (engine/models/compiled_decode.py);
         # False: every step eagerly (--enforce-eager, the reference).
         self.compiled_decode = True
 
