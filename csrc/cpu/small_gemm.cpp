@@ -42,10 +42,13 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kBlock = 16;        // output columns per packed block
-// Up to kSmallRows rows (decode) the tiles are at most 4 rows by 4 blocks: each weight vector loaded feeds every
-// row, and the weights are streamed once. Above it (prefill) the GEMM is compute-bound and the tiles are taller
-// (8 rows, 2-3 blocks: 16-24 accumulators), which keeps both FMA ports busy instead of waiting on the loads.
-constexpr int64_t kSmallRows = 16;
+// Up to kSmallRows rows the tiles are at most 4 rows by 4 blocks: one pass, each weight vector loaded feeds every
+// row, and the weights are streamed once. Above it the GEMM turns compute-bound and the tiles are taller (8 rows,
+// 2-3 blocks: 16-24 accumulators), which keeps both FMA ports busy instead of waiting on the loads. The 4-row tiles
+// at 5 to 16 rows (a decode batch, a split decode's shard) made 2-4 passes, re-widened every bfloat16 weight on
+// each, and ran ~1.4x slower than the tall ones (benchmarks/small_gemm.py, docs/benchmarks.md "Decode at 32
+// streams"): at 1 to 4 rows both shapes stream the weights at the same rate.
+constexpr int64_t kSmallRows = 4;
 // Rows of x per sweep over the weights in a long prefill: 128 rows of K = 1536 are 768 KiB of float32 x, and each
 // weight byte read from memory then feeds 64 FLOP (float32) or more.
 constexpr int64_t kRowChunk = 128;
@@ -370,7 +373,7 @@ void over_threads(int64_t blocks, int64_t min_blocks, Fn&& fn) {
   }
 }
 
-// The row-count split of one path: `small` tiles up to kSmallRows rows, `wide` ones above.
+// The row-count split of one path: `small` tiles up to kSmallRows rows (one pass), `wide` ones above.
 template <typename X, typename W, int R1, int B1, int R2, int B2>
 void run_path(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& wide, const X* x, int64_t xs,
               const W* w, int64_t w_block, int64_t depth, const TileOut& o, int64_t m, int64_t blocks) {

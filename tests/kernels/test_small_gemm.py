@@ -38,7 +38,7 @@ def test_small_gemm_matches_f_linear(isa, dtype, shape):
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
     packed = pack_small_rows(weight)
-    # Up to 16 rows the decode tiles; above, the taller prefill tiles (8 rows; 6 on AVX2), whole and partial.
+    # Up to 4 rows the one-pass tiles; above, the taller tiles (8 rows; 6 on AVX2), whole and partial.
     for rows in (1, 2, 3, 4, 5, 8, 13, 16, 17, 24, 29, 70):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         for b in (None, bias):
@@ -53,7 +53,7 @@ def test_small_gemm_splits_columns_over_threads(isa, dtype):
     n, k = 1000, 64  # 63 blocks: an uneven split, the last block partial
     weight = torch.randn(n, k, generator=gen).to(dtype)
     packed = pack_small_rows(weight)
-    for rows in (3, 40, 300):  # decode tiles, prefill tiles, prefill over several row chunks
+    for rows in (3, 12, 40, 300):  # one-pass tiles, tall tiles (a decode batch, a prefill), several row chunks
         x = torch.randn(rows, k, generator=gen).to(dtype)
         outs = []
         for threads in (1, 2):
@@ -73,7 +73,7 @@ def test_small_gemm_rounds_bfloat16_as_torch_does(isa):
     weight = torch.randn(n, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16()
     packed16, packed32 = pack_small_rows(weight), pack_small_rows(weight.float())
-    for rows in (1, 5, 16, 17, 40):  # the decode tiles and the prefill tiles
+    for rows in (1, 4, 5, 16, 17, 40):  # the one-pass tiles and the tall tiles
         x = torch.randn(rows, k, generator=gen).bfloat16()
         x[0, 3] = float("nan")
         for b in (None, bias):
