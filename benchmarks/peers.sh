@@ -6,12 +6,16 @@
 #   SWEEP=1,8,32 bash benchmarks/peers.sh           # a shorter sweep
 #   PARTS=build bash benchmarks/peers.sh            # only build llama-server and the GGUFs
 #   DTYPES=float32 bash benchmarks/peers.sh         # an AVX2-only CPU: compare in float32 only
+#   REPEAT=3 SWEEP=1,32 bash benchmarks/peers.sh    # 3 llama.cpp / pagedserve pairs per point, alternating
 #
 # llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
 # GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
 # convert_hf_to_gguf.py runs on pagedserve's Python, with the vendored gguf-py and sentencepiece (installed into
 # the cache folder, not the venv) on PYTHONPATH. llama-server gets one slot per stream (-np C, continuous
-# batching, -t 2 -tb 2), so every concurrency starts its own server. JSON per server and dtype goes to $OUT/peers_*.json, the plot to $OUT/peers.png.
+# batching, -t 2 -tb 2), so every concurrency starts its own server. JSON per server and dtype goes to
+# $OUT/peers_*.json, the plot to $OUT/peers.png. A shared VM's speed can move 20-40 % within minutes: with REPEAT=N
+# each point runs N pairs (llama.cpp, then pagedserve, back to back) and the report gives the median of the N
+# pairs' ratios, and each pair's ratio, instead of one pair's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -20,6 +24,7 @@ SWEEP=${SWEEP:-1,2,4,8,16,32}
 DTYPES=${DTYPES:-bfloat16 float32}
 PARTS=" ${PARTS:-build served plot} "
 THREADS=${THREADS:-2}
+REPEAT=${REPEAT:-1}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}
 LLAMA=$CACHE/llama.cpp-$LLAMA_CPP_PYTHON
@@ -97,11 +102,14 @@ fi
 if part served; then
     for dtype in $DTYPES; do
         for c in ${SWEEP//,/ }; do
-            PORT=$(port); serve "llama.cpp ($dtype GGUF)" "peers_llamacpp_${dtype}_c$c" "$c" \
-                "$SERVER" -m "$LLAMA/model-$(gguf_type "$dtype").gguf" --host 127.0.0.1 --port "$PORT" \
-                -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512))
-            PORT=$(port); serve "pagedserve ($dtype)" "peers_pagedserve_${dtype}_c$c" "$c" \
-                "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype "$dtype"
+            for ((rep = 1; rep <= REPEAT; rep++)); do
+                suffix=$([[ $REPEAT -gt 1 ]] && echo "_r$rep" || true)
+                PORT=$(port); serve "llama.cpp ($dtype GGUF)" "peers_llamacpp_${dtype}_c$c$suffix" "$c" \
+                    "$SERVER" -m "$LLAMA/model-$(gguf_type "$dtype").gguf" --host 127.0.0.1 --port "$PORT" \
+                    -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512))
+                PORT=$(port); serve "pagedserve ($dtype)" "peers_pagedserve_${dtype}_c$c$suffix" "$c" \
+                    "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype "$dtype"
+            done
         done
     done
 fi
