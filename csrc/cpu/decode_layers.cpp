@@ -6,6 +6,8 @@
 // the same buffers, so the result is bit-identical to the eager path's; only the calls between them are gone.
 // Every linear is a small-row GEMM over its pack_small_rows weight. A step may hold prefill spans (prompts, or
 // chunks of them) before its decode tokens, as the eager step does.
+#include <algorithm>
+
 #include <c10/util/Exception.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -21,6 +23,9 @@ namespace {
 enum Slot : int64_t {
   kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kSlots
 };
+
+// Rows of the MLP per pass in a long step (a multiple of small_gemm's 128-row chunk, so its passes are unchanged).
+constexpr int64_t kMlpRows = 512;
 
 c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
   return b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
@@ -70,8 +75,11 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
   at::Tensor x = at::empty({t, hidden}, opts);
   at::Tensor qkv = at::empty({t, q_size + 2 * kv_size}, opts);
   at::Tensor attn = at::empty({t, num_heads, head_size}, opts);
-  at::Tensor gate_up = at::empty({t, 2 * intermediate_size}, opts);
-  at::Tensor act = at::empty({t, intermediate_size}, opts);
+  // The MLP runs kMlpRows rows at a time (its rows are independent): a 4096-token prefill step's gate_up and
+  // activation buffers would otherwise be 75 MiB in float32, on top of the KV cache at a server's peak memory.
+  const int64_t mlp_rows = std::min(t, kMlpRows);
+  at::Tensor gate_up = at::empty({mlp_rows, 2 * intermediate_size}, opts);
+  at::Tensor act = at::empty({mlp_rows, intermediate_size}, opts);
   // Strided views of qkv, as the eager model takes them.
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_size});
   const at::Tensor q = qk.narrow(1, 0, num_heads);
@@ -117,9 +125,13 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     }
     small_gemm(x, attn_rows, w[kO], bias_of(w[kOBias]), 0);
     fused_add_rms_norm(x, residual, w[kPostNorm], eps);
-    small_gemm(gate_up, x, w[kGateUp], bias_of(w[kGateUpBias]), 0);
-    silu_and_mul(act, gate_up);
-    small_gemm(x, act, w[kDown], bias_of(w[kDownBias]), 0);
+    for (int64_t r = 0; r < t; r += mlp_rows) {  // x's rows r.. are read by gate_up before down overwrites them
+      const int64_t n = std::min(mlp_rows, t - r);
+      at::Tensor x_rows = x.narrow(0, r, n), gate_up_rows = gate_up.narrow(0, 0, n), act_rows = act.narrow(0, 0, n);
+      small_gemm(gate_up_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0);
+      silu_and_mul(act_rows, gate_up_rows);
+      small_gemm(x_rows, act_rows, w[kDown], bias_of(w[kDownBias]), 0);
+    }
   }
   return layers ? residual.add_(x) : residual;
 }

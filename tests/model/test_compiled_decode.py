@@ -111,3 +111,13 @@ def test_linears_left_to_onednn_run_eagerly(model_dir, monkeypatch):
     outputs, plan, _ = _run(model_dir, "float32", enforce_eager=False)
     assert plan is None
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+
+def test_a_prefill_longer_than_the_mlps_row_pass_equals_eager_bit_for_bit(model_dir):
+    """A 600-token prefill step: the compiled MLP runs it 512 rows at a time (decode_layers.cpp's kMlpRows)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(100)] for _ in range(6)]
+    compiled, plan, _ = _run(model_dir, "float32", enforce_eager=False, prompts=prompts)
+    eager, _, _ = _run(model_dir, "float32", enforce_eager=True, prompts=prompts)
+    if plan.max_rows >= 600:  # the small-row kernel serves the prefill's rows (float32 on AVX-512)
+        assert plan.steps_run == 20, "the 600-token prefill step ran compiled"
+    _assert_bit_identical(compiled, eager)
