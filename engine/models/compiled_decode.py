@@ -54,7 +54,6 @@ class CompiledDecode:
         self.shape = (attn.heads, attn.kv_heads, attn.head_dim, model.layers[0].mlp.inter)
         self.eps, self.scale = float(a.rms_norm_eps), float(attn.attn.scale)
         self.steps_run = 0  # forwards this plan ran (tests check that the fast path was taken)
-        self._caches: tuple = (None, [], [])  # (the engine's kv_caches list, its key caches, its value caches)
 
     @classmethod
     def of(cls, model: "LlamaForCausalLM") -> Optional["CompiledDecode"]:
@@ -113,12 +112,11 @@ class CompiledDecode:
         spans = [n for p in meta.prefills for n in (p.start, p.end, p.context_len)]
         tables = [p.block_table if p.num_cached else _NO_TABLE for p in meta.prefills]
         decoding = meta.num_decode_tokens > 0
-        if self._caches[0] is not kv_caches:  # split once per cache (the engine keeps one list until a reset)
-            self._caches = (kv_caches, [c[0] for c in kv_caches], [c[1] for c in kv_caches])
-        _, keys, values = self._caches
+        # Split per step (~60 list items: microseconds), not cached on the plan: a cached split would keep an engine
+        # reset's old KV cache alive after LLMEngine.reset dropped it, next to the new one.
         return ops.llama_decode_layers(
-            x, positions, self.model.rotary.table(x.device), self.weights, keys, values, meta.slot_mapping, spans,
-            tables,
+            x, positions, self.model.rotary.table(x.device), self.weights, [c[0] for c in kv_caches],
+            [c[1] for c in kv_caches], meta.slot_mapping, spans, tables,
             meta.decode_block_tables if decoding else _NO_TABLES, meta.decode_context_lens if decoding else _NO_TABLE,
             self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale,
         )

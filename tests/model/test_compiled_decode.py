@@ -121,3 +121,16 @@ def test_a_prefill_longer_than_the_mlps_row_pass_equals_eager_bit_for_bit(model_
     if plan.max_rows >= 600:  # the small-row kernel serves the prefill's rows (float32 on AVX-512)
         assert plan.steps_run == 20, "the 600-token prefill step ran compiled"
     _assert_bit_identical(compiled, eager)
+
+
+def test_an_engine_reset_frees_the_old_kv_cache_after_compiled_steps(model_dir):
+    """LLMEngine.reset drops the old cache before allocating the new one; the plan must not keep it alive."""
+    import gc
+    import weakref
+
+    _, plan, llm = _run(model_dir, "float32", enforce_eager=False)
+    assert plan.steps_run > 0
+    old_key_cache = weakref.ref(llm.engine.cache_engine.device_cache[0][0])
+    llm.engine.reset()
+    gc.collect()
+    assert old_key_cache() is None, "the old KV cache is still referenced after the reset"
