@@ -77,9 +77,10 @@ def main() -> None:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"rows": rows}, indent=2))
     if args.plot:  # the plot draws each server's first repeat
-        reports = [{"label": next(iter(points.values()))[min(next(iter(points.values())))]["label"],
-                    "runs": [runs[min(runs)] for _, runs in sorted(points.items())]}
-                   for _, points in sorted(found.items())]
+        reports = []
+        for _, points in sorted(found.items()):
+            runs = [repeats[min(repeats)] for _, repeats in sorted(points.items())]
+            reports.append({"label": runs[0]["label"], "runs": runs})
         plot_reports(reports, args.plot)
         print(f"wrote {args.plot}")
 
