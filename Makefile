@@ -53,11 +53,12 @@ MODEL_PATH_STAMP := $(VENV)/.model-path-$(LOADER_HASH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help serve test setup setup-dev model check-cuda lint-docker clean
+.PHONY: help serve test test-avx2 setup setup-dev model check-cuda lint-docker clean
 
 help:
 	@echo "make serve   set up .venv and serve the default model on $(HOST):$(PORT) (ARGS=... for more flags)"
 	@echo "make test    set up .venv with the dev extras and run the test suite (PYTEST_ARGS=...)"
+	@echo "make test-avx2  the numeric suites on an AVX2-only CPU's code paths (on an AVX-512 machine)"
 	@echo "device: $(DEVICE), torch: $(TORCH_SPEC) $(TORCH_INDEX_URL)"
 
 $(PY):
@@ -124,6 +125,14 @@ test: setup-dev
 	  echo ">> nvcc found: scripts/check_cuda.sh"; \
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/check_cuda.sh || { c=$$?; [ $$rc != 0 ] || rc=$$c; }; \
 	fi; exit $$rc
+
+# An AVX2-only CPU's (Zen 3) code paths on an AVX-512 machine: the kernels built for AVX2 only
+# (engine/ops_loader.py), torch's own kernels and oneDNN held to AVX2. Default: the suites that
+# check numbers (kernels, model, engine end to end); PYTEST_ARGS picks others.
+test-avx2: setup-dev
+	@$(MAKE) --no-print-directory model
+	PAGEDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	  $(PY) -m pytest $(or $(PYTEST_ARGS),tests/kernels tests/model tests/e2e)
 
 check-cuda: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/check_cuda.sh

@@ -7,6 +7,7 @@
 #   PARTS=build bash benchmarks/peers.sh            # only build llama-server and the GGUFs
 #   DTYPES=float32 bash benchmarks/peers.sh         # an AVX2-only CPU: compare in float32 only
 #   REPEAT=3 SWEEP=1,32 bash benchmarks/peers.sh    # 3 llama.cpp / pagedserve pairs per point, alternating
+#   ISA=avx2 DTYPES=float32 bash benchmarks/peers.sh  # an AVX2-only CPU's code paths, on an AVX-512 machine
 #
 # llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
 # GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
@@ -16,6 +17,11 @@
 # $OUT/peers_*.json, the plot to $OUT/peers.png. A shared VM's speed can move 20-40 % within minutes: with REPEAT=N
 # each point runs N pairs (llama.cpp, then pagedserve, back to back) and the report gives the median of the N
 # pairs' ratios, and each pair's ratio, instead of one pair's.
+#
+# ISA=avx2 runs both servers as on an AVX2-only CPU (Zen 3): llama.cpp built with AVX2/FMA/F16C and no AVX-512
+# (into $LLAMA/build-avx2), pagedserve's kernels built for AVX2 (PAGEDSERVE_CPU_ISA=avx2) with torch's own
+# kernels and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). The instruction paths are an AVX2
+# machine's; the cores, caches and memory stay this machine's, so it is not a measurement of a Zen 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -28,7 +34,18 @@ REPEAT=${REPEAT:-1}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}
 LLAMA=$CACHE/llama.cpp-$LLAMA_CPP_PYTHON
-SERVER=$LLAMA/build/bin/llama-server
+ISA=${ISA:-native}
+case $ISA in
+    native) BUILD=$LLAMA/build; GGML_ISA=(-DGGML_NATIVE=ON) ;;
+    avx2)
+        BUILD=$LLAMA/build-avx2
+        GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                  -DGGML_AVX512=OFF)
+        export PAGEDSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
+    *) echo "ISA=$ISA: expected native or avx2" >&2; exit 2 ;;
+esac
+SERVER=$BUILD/bin/llama-server
+ISA_NOTE=$([[ $ISA == native ]] || echo ", $ISA paths")
 # OpenMP: neither variable set, so each server keeps its own default: pagedserve's GOMP_SPINCOUNT=4000
 # (engine/openmp.py), llama-server libgomp's 300000; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment
 # applies to both.
@@ -47,10 +64,10 @@ build_llama_server() {
         mv "$LLAMA/src.partial" "$LLAMA/src"
     fi
     command -v cmake > /dev/null || python3 -m pip install cmake
-    cmake -S "$LLAMA/src/vendor/llama.cpp" -B "$LLAMA/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    cmake -S "$LLAMA/src/vendor/llama.cpp" -B "$BUILD" "${GGML_ISA[@]}" -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-    nice cmake --build "$LLAMA/build" --target llama-server -j "$(nproc)"
+    nice cmake --build "$BUILD" --target llama-server -j "$(nproc)"
 }
 
 # The default model as the converted HF folder (engine/loader.py), then as one GGUF per dtype.
@@ -104,10 +121,10 @@ if part served; then
         for c in ${SWEEP//,/ }; do
             for ((rep = 1; rep <= REPEAT; rep++)); do
                 suffix=$([[ $REPEAT -gt 1 ]] && echo "_r$rep" || true)
-                PORT=$(port); serve "llama.cpp ($dtype GGUF)" "peers_llamacpp_${dtype}_c$c$suffix" "$c" \
+                PORT=$(port); serve "llama.cpp ($dtype GGUF$ISA_NOTE)" "peers_llamacpp_${dtype}_c$c$suffix" "$c" \
                     "$SERVER" -m "$LLAMA/model-$(gguf_type "$dtype").gguf" --host 127.0.0.1 --port "$PORT" \
                     -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512))
-                PORT=$(port); serve "pagedserve ($dtype)" "peers_pagedserve_${dtype}_c$c$suffix" "$c" \
+                PORT=$(port); serve "pagedserve ($dtype$ISA_NOTE)" "peers_pagedserve_${dtype}_c$c$suffix" "$c" \
                     "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype "$dtype"
             done
         done

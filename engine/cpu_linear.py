@@ -3,7 +3,7 @@
 F.linear on CPU repacks the weight matrix on every call; a weight reordered once into oneDNN's blocked
 layout skips that. The product is the same float32 GEMM up to summation order (~1e-6 relative).
 bfloat16 weights are packed where oneDNN can (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), with float32
-accumulation; elsewhere (an AVX2-only CPU) they stay on F.linear. What this buys, measured, is in
+accumulation; on an AVX2-only CPU the small-row kernel below serves them alone. What this buys, measured, is in
 docs/benchmarks.md ("Packed oneDNN linears").
 
 Invariants: the packed copies replace the original: pack_linears leaves an
@@ -16,10 +16,10 @@ a linear is a matrix-vector product bound by reading the weights once, and oneDN
 streamed them well under the memory's speed (docs/benchmarks.md, "Small-row linears"). That kernel reads its
 own copy of each weight, packed here (pack_small_rows). Where that kernel also matches oneDNN on many rows (its
 prefill tiles), it serves every row count and no oneDNN copy is made (_small_rows_everywhere): float32 on an
-AVX-512 CPU, and bfloat16 on a CPU without AVX-512 BF16 (where oneDNN widens bfloat16 itself and is slower).
-Elsewhere (float32 on an AVX2-only CPU, bfloat16 with native bf16 dot products) oneDNN keeps more than SMALL_ROWS
-rows and the weights are held twice. PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count to oneDNN and makes no
-small-row copy.
+AVX-512 or AVX2 CPU, and bfloat16 on a CPU without AVX-512 BF16 (where oneDNN widens bfloat16 itself and is
+slower, or, on AVX2, has no bfloat16 at all). Elsewhere (bfloat16 with native bf16 dot products) oneDNN keeps
+more than SMALL_ROWS rows and the weights are held twice. PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count
+to oneDNN and makes no small-row copy.
 
 A head tied to the embedding (SmolLM2) is held once: the embedding's rows are gathered from the head's small-row
 copy (_embed_from_packed_head), and both original weights are released.
@@ -64,9 +64,17 @@ def packed_linear_available() -> bool:
 
 
 def packed_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN packs on this CPU: float32 always, bfloat16 where oneDNN supports it."""
+    """The weight dtypes pack_linears packs on this CPU: float32 always; bfloat16 where oneDNN supports it, or
+    where the small-row kernel serves it at every row count without oneDNN (an AVX2-only CPU, whose oneDNN has no
+    bfloat16: F.linear there ran bfloat16 ~4x slower than float32)."""
+    if _onednn_packs_bf16() or (small_rows_available() and _small_rows_everywhere(torch.bfloat16)):
+        return torch.float32, torch.bfloat16
+    return (torch.float32,)
+
+
+def _onednn_packs_bf16() -> bool:
     bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+    return bf16 is not None and bool(bf16())
 
 
 # oneDNN builds (and caches, LRU) one primitive per input shape. A server sees every row count from 1 to
@@ -85,14 +93,16 @@ def small_rows_available() -> bool:
 def _small_rows_everywhere(dtype: torch.dtype) -> bool:
     """The small-row kernel serves every row count, prefill included, and no oneDNN copy is made.
 
-    Measured (docs/benchmarks.md, "Small-row linears"): bfloat16 without vdpbf16ps (no AVX-512 BF16), where oneDNN
-    widens bfloat16 itself and was 3-5x slower at every row count; float32 on the AVX-512 path, whose prefill tiles
-    run at oneDNN's rate from 128 to 2048 rows. Not measured, so oneDNN keeps them: float32 on the AVX2 path, and
-    bfloat16 with AVX-512 BF16 (oneDNN's native bf16 GEMM)."""
+    Measured (docs/benchmarks.md, "Small-row linears", "An AVX2-only CPU's paths"): bfloat16 without vdpbf16ps (no
+    AVX-512 BF16), where oneDNN widens bfloat16 itself and was 3-5x slower at every row count (on AVX2 oneDNN has
+    no bfloat16, and F.linear was 4x slower than the kernel); float32 on the AVX-512 path, whose prefill tiles run
+    at oneDNN's rate from 128 to 2048 rows; float32 on the AVX2 path (its 6-row tiles 0.92-0.94x oneDNN's GEMM at
+    128-512 rows, the served steps the same speed, a weight copy less). Not measured, so oneDNN keeps it: bfloat16
+    with AVX-512 BF16 (oneDNN's native bf16 GEMM)."""
     isa = ops.small_gemm_isa()
     if dtype == torch.bfloat16:
         return isa < ops.SMALL_GEMM_AVX512_BF16
-    return dtype == torch.float32 and isa >= ops.SMALL_GEMM_AVX512
+    return dtype == torch.float32 and isa >= ops.SMALL_GEMM_AVX2
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor:

@@ -176,9 +176,10 @@ def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torc
         dtype = _DTYPES[config.dtype]
         if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16() and not (
                 torch.bfloat16 in packed_dtypes() and small_rows_available()):
-            # Measured on an AVX2-only Zen 3: bfloat16 served 27.9 tok/s at concurrency 32 against float32's 111.8.
-            # An AVX-512 CPU without AVX-512 BF16 runs bfloat16 through the small-row kernel (engine/cpu_linear.py),
-            # faster than float32 at one stream (docs/benchmarks.md).
+            # Measured on an AVX2-only Zen 3 through F.linear: bfloat16 served 27.9 tok/s at concurrency 32 against
+            # float32's 111.8. A CPU with AVX2 or AVX-512 but without AVX-512 BF16 runs bfloat16 through the
+            # small-row kernel (engine/cpu_linear.py), faster than float32 at a few streams (docs/benchmarks.md):
+            # no warning there. Left: a CPU without AVX2, or PAGEDSERVE_SMALL_ROW_LINEAR=0.
             logger.warning("--dtype bfloat16 on a CPU without native bfloat16 (AVX-512 BF16 or AMX) is emulated and "
                            "several times slower than float32 here; float32 (the default) is the fast choice on "
                            "this CPU")

@@ -6,6 +6,11 @@ visible the build also holds the CUDA kernels. If the build fails (no compiler, 
 the backend is the pure-torch reference, with a warning; PAGEDSERVE_OPS_BACKEND=torch
 forces it. An engine on a CUDA device refuses to start without the compiled CUDA
 kernels (require_backend): the reference is a Python loop per sequence, far too slow to serve.
+
+PAGEDSERVE_CPU_ISA=avx2 (or generic, avx512) builds the CPU kernels for less than this CPU
+has; with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 holding torch to the same,
+an AVX2-only CPU's code paths run, and are tested (`make test-avx2`) and measured
+(benchmarks/peers.sh ISA=avx2), on an AVX-512 machine.
 """
 from __future__ import annotations
 
@@ -64,22 +69,38 @@ def find_csrc() -> Optional[Path]:
     return None
 
 
+# The CPU kernel builds, least to most: each adds to the one before; the build's folder name holds it.
+ISA_LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
+
+
+def isa_build(cpu_flags: set[str], wanted: str = "") -> tuple[str, list[str]]:
+    """The kernel build (a name from ISA_LEVELS and its compiler flags) for a CPU with these /proc/cpuinfo flags:
+    the most it has, or at most `wanted` (PAGEDSERVE_CPU_ISA), which never adds what the CPU lacks."""
+    wanted = wanted.lower() or ISA_LEVELS[-1]
+    if wanted not in ISA_LEVELS:
+        raise ValueError(f"PAGEDSERVE_CPU_ISA={wanted!r}: expected one of {', '.join(ISA_LEVELS)}")
+    cap = ISA_LEVELS.index(wanted)
+    if not {"avx2", "fma", "f16c"} <= cpu_flags or cap < 1:
+        return "generic", []
+    avx2 = ["-mavx2", "-mfma", "-mf16c"]
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags or cap < 2:
+        return "avx2", avx2
+    avx512 = avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if "avx512_bf16" in cpu_flags and cap >= 3:  # vdpbf16ps: bf16 dot products in the attention kernels
+        return "avx512bf16", avx512 + ["-mavx512bf16"]
+    return "avx512", avx512
+
+
 def _cpu_isa_flags() -> tuple[str, list[str]]:
     # Targeted flags, not -march=native, so a cache built here stays valid on
     # any machine that has the same extensions (the ISA is part of the name).
+    # PAGEDSERVE_CPU_ISA=avx2 builds an AVX2-only CPU's kernels on an AVX-512 machine: how a Zen 3 runs is
+    # tested and measured there (`make test-avx2`, benchmarks/peers.sh ISA=avx2).
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
     except (OSError, IndexError):
         flags = set()
-    if not {"avx2", "fma", "f16c"} <= flags:
-        return "generic", []
-    avx2 = ["-mavx2", "-mfma", "-mf16c"]
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx2", avx2
-    avx512 = avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-    if "avx512_bf16" in flags:  # vdpbf16ps: bf16 dot products in the attention kernels
-        return "avx512bf16", avx512 + ["-mavx512bf16"]
-    return "avx512", avx512
+    return isa_build(flags, os.environ.get("PAGEDSERVE_CPU_ISA", ""))
 
 
 def _cuda_build_blocker() -> Optional[str]:

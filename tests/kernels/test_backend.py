@@ -81,3 +81,18 @@ def test_startup_rejects_attention_shapes_the_kernels_cannot_run():
     for device in ("cpu", "cuda"):
         with pytest.raises(ValueError, match="6 attention heads and 4 key/value heads"):
             ops_loader.check_attention_geometry(device, 6, 4, 64)
+
+
+def test_a_kernel_build_for_less_than_the_cpu_has_never_adds_an_isa():
+    # PAGEDSERVE_CPU_ISA=avx2 on an AVX-512 machine builds what an AVX2-only CPU (Zen 3) runs: `make test-avx2`.
+    avx2 = {"avx2", "fma", "f16c"}
+    zen4 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    assert ops_loader.isa_build(zen4) == ("avx512bf16", ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+                                                         "-mavx512vl", "-mavx512dq", "-mavx512bf16"])
+    assert ops_loader.isa_build(zen4, "avx512")[0] == "avx512"
+    assert ops_loader.isa_build(zen4, "AVX2") == ("avx2", ["-mavx2", "-mfma", "-mf16c"])
+    assert ops_loader.isa_build(zen4, "generic") == ("generic", [])
+    assert ops_loader.isa_build(avx2, "avx512bf16")[0] == "avx2"  # a cap, never a request for what is missing
+    assert ops_loader.isa_build(set(), "avx2") == ("generic", [])
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='sse4'"):
+        ops_loader.isa_build(zen4, "sse4")

@@ -20,9 +20,10 @@ from tiny_models import tiny_llama_config
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch has no oneDNN packed linear")
 
 
-# oneDNN packs bfloat16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2 CPU keeps F.linear there.
+# oneDNN packs bfloat16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an AVX2 CPU the small-row kernel
+# alone serves them, and without that (no AVX2, or switched off) F.linear keeps them.
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    torch.bfloat16 not in packed_dtypes(), reason="oneDNN cannot pack bfloat16 weights on this CPU"))]
+    torch.bfloat16 not in packed_dtypes(), reason="neither oneDNN nor the small-row kernel packs bfloat16 here"))]
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
@@ -118,8 +119,29 @@ def test_packed_linear_takes_any_leading_dims(dtype):
         torch.testing.assert_close(out, nn.functional.linear(x, weight, bias), **_tolerance(dtype))
 
 
+@pytest.mark.skipif(not small_rows_available(), reason="needs the compiled small-row kernel")
+def test_bfloat16_goes_to_the_small_row_kernel_alone_where_onednn_cannot_pack_it(monkeypatch):
+    # An AVX2-only CPU (Zen 3): oneDNN has no bfloat16 there, and F.linear ran it ~4x slower than float32. The
+    # decision is simulated (this machine's kernels run); `make test-avx2` runs the AVX2 kernels themselves.
+    from engine import cpu_linear, ops
+
+    monkeypatch.setattr(cpu_linear, "_onednn_packs_bf16", lambda: False)
+    monkeypatch.setattr(ops, "small_gemm_isa", lambda: ops.SMALL_GEMM_AVX2)
+    assert packed_dtypes() == (torch.float32, torch.bfloat16)
+    ref = _tiny_llama(torch.bfloat16, tied=False)
+    model = copy.deepcopy(ref)
+    assert pack_linears(model) == 2 * 4 + 1
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(m._packed_weight is None and m._small_weight is not None for m in linears), "no oneDNN copy"
+    assert all(m.weight.numel() == 0 for m in linears), "each weight held once"
+    lens = [5, 17, 1, 40]
+    torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(torch.bfloat16))
+    monkeypatch.setattr(ops, "small_gemm_isa", lambda: 0)  # no AVX2 either: F.linear keeps bfloat16
+    assert packed_dtypes() == (torch.float32,)
+
+
 @pytest.mark.skipif(torch.bfloat16 in packed_dtypes(), reason="this CPU packs bfloat16 weights")
-def test_bfloat16_stays_on_f_linear_where_onednn_cannot_pack_it():
+def test_bfloat16_stays_on_f_linear_where_nothing_packs_it():
     ref = _tiny_llama(torch.bfloat16, tied=False)
     model = copy.deepcopy(ref)
     assert pack_linears(model) == 0
