@@ -137,10 +137,21 @@ async def probe_health(client: httpx.AsyncClient, base_url: str, interval: float
         await asyncio.sleep(interval)
 
 
+def plan_requests(args, level: Optional[int]) -> tuple[list, list]:
+    """(warm-ups, timed requests) for one concurrency level. The warm-ups are prompts of their own: a warm-up
+    that repeats a timed prompt hands a server with a prompt cache (llama-server's, by default) that request's
+    prefill for free (it read llama.cpp's first token at one stream ~40 % early). Each level draws its own
+    prompts too, so a sweep run against one server never repeats a prompt across levels."""
+    timed = make_requests(args, random.Random(f"{args.seed}/{level}"))
+    warmups = make_requests(args, random.Random(f"{args.seed}/{level}/warmup"))[: args.warmup]
+    return warmups, timed
+
+
 async def run_load(args, model: str, requests: list, concurrency: Optional[int], rate: float,
-                   health: Optional[list[float]] = None) -> tuple[list, float]:
-    """Send every request with at most `concurrency` in flight, arrivals Poisson at `rate` (inf: all at once);
-    with `health` (a list), probe /health every --health-interval seconds meanwhile into it."""
+                   health: Optional[list[float]] = None, warmups: list = ()) -> tuple[list, float]:
+    """Send every request with at most `concurrency` in flight, arrivals Poisson at `rate` (inf: all at once),
+    after the `warmups` one by one (untimed); with `health` (a list), probe /health every --health-interval
+    seconds meanwhile into it."""
     limit = concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(args.seed + 1)
@@ -151,7 +162,7 @@ async def run_load(args, model: str, requests: list, concurrency: Optional[int],
             async with sem:
                 return await send(client, args, model, *req)
 
-        for req in requests[: args.warmup]:  # untimed: kernel build, allocator, connection setup
+        for req in warmups:  # untimed: kernel build, allocator, connection setup
             await send(client, args, model, req[0], req[1], min(req[2], 4))
         start = time.perf_counter()
         probe = None
@@ -262,9 +273,9 @@ def main(argv=None) -> int:
     for level in levels:
         if args.sweep:
             args.num_prompts = max(args.num_prompts_min, int(args.rounds * level))
-        requests = make_requests(args, random.Random(args.seed))
+        warmups, requests = plan_requests(args, level)
         health = [] if args.health_interval > 0 else None
-        results, duration = asyncio.run(run_load(args, model, requests, level, args.request_rate, health))
+        results, duration = asyncio.run(run_load(args, model, requests, level, args.request_rate, health, warmups))
         summary = summarize(results, duration, level, args.request_rate)
         print_summary(summary)
         if health:
