@@ -253,6 +253,7 @@ void tile_f32_avx2(const float* x, int64_t xs, const float* w, int64_t k, const 
     if (next) _mm_prefetch(reinterpret_cast<const char*>(next + i * kBlock), _MM_HINT_T1);
     __m256 wv[2 * B];
     for (int b = 0; b < B; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + (i + kPrefetchAhead) * kBlock), _MM_HINT_T0);
       wv[2 * b] = _mm256_loadu_ps(w + b * bstride + i * kBlock);
       wv[2 * b + 1] = _mm256_loadu_ps(w + b * bstride + i * kBlock + 8);
     }
@@ -281,6 +282,8 @@ void tile_bf16_avx2(const float* x, int64_t xs, const uint32_t* w, int64_t kp, c
   for (int64_t p = 0; p < kp; ++p) {
     if (next) _mm_prefetch(reinterpret_cast<const char*>(next + p * kBlock), _MM_HINT_T1);
     __m256 even[2 * B], odd[2 * B];
+    for (int b = 0; b < B; ++b)
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * bstride + (p + kPrefetchAhead) * kBlock), _MM_HINT_T0);
     for (int h = 0; h < 2 * B; ++h) {
       const __m256i pairs = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(w + (h / 2) * bstride + p * kBlock + (h % 2) * 8));
