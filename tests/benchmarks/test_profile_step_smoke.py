@@ -37,3 +37,14 @@ def test_profile_step_compares_compiled_and_eager_prefills(tmp_path, tiny_llama_
     assert report["mode"] == "prefill"
     for mode in ("compiled", "eager"):
         assert len(report[mode]["forward_ms"]) == 2 and min(report[mode]["step_ms"]) > 0
+
+
+@pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU, reason="needs the compiled CPU ops")
+def test_torch_profile_lists_the_compiled_kernels(tmp_path, tiny_llama_dir):
+    # The kernels are pybind calls torch.profiler cannot see by itself: the table once held only the aten glue.
+    stdout, _ = _profile(tmp_path, tiny_llama_dir, "--batch", "2", "--steps", "4", "--torch-profile",
+                         "--enforce-eager")
+    table = {line.split()[0]: line.split() for line in stdout.splitlines() if line.strip().startswith("ops.")}
+    assert {"ops.small_gemm", "ops.paged_attention", "ops.rms_norm"} <= set(table), stdout
+    layers = 2  # tiny_llama's
+    assert int(table["ops.paged_attention"][-1]) == 8 * layers  # all 8 profiled steps still decode
