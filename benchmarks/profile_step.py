@@ -139,8 +139,11 @@ def profile_prefill(engine, timer: StageTimer, args) -> None:
         timer.totals.clear()
         timer.enabled = i >= 2  # two warm-up prefills
         start = time.perf_counter()
+        outputs = []
         while engine.has_unfinished_requests():
-            engine.step()
+            outputs += engine.step()
+        if not any(o.finished and o.outputs and o.outputs[0].token_ids for o in outputs):
+            raise SystemExit(f"prefill {i} produced no token: {outputs}")
         if timer.enabled:
             step_ms[mode].append((time.perf_counter() - start) * 1000)
             forward_ms[mode].append(timer.totals["forward"] * 1000)
@@ -198,7 +201,8 @@ def main() -> None:
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=512, kv_cache_space=0.5, swap_space=0.1,
+    max_len = max(512, args.input_len + args.steps + 32)  # a prompt past max_model_len would be refused
+    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=max_len, kv_cache_space=0.5, swap_space=0.1,
                                     max_num_seqs=max(256, args.batch), dtype=args.dtype,
                                     enforce_eager=args.enforce_eager))
     timer = StageTimer()

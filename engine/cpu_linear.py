@@ -14,12 +14,10 @@ packed linear serves CPU inputs of its own dtype only (RuntimeError otherwise), 
 Small row counts (a decode step's few sequences) go to csrc/cpu/small_gemm.cpp instead: at 1 to SMALL_ROWS rows
 a linear is a matrix-vector product bound by reading the weights once, and oneDNN's GEMM, built for many rows,
 streamed them well under the memory's speed (docs/benchmarks.md, "Small-row linears"). That kernel reads its
-own copy of each weight, packed here (pack_small_rows). Where that kernel also matches oneDNN on many rows (its
-prefill tiles), it serves every row count and no oneDNN copy is made (_small_rows_everywhere): float32 on an
-AVX-512 or AVX2 CPU, and bfloat16 on a CPU without AVX-512 BF16 (where oneDNN widens bfloat16 itself and is
-slower, or, on AVX2, has no bfloat16 at all). Elsewhere (bfloat16 with native bf16 dot products) oneDNN keeps
-more than SMALL_ROWS rows and the weights are held twice. PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count
-to oneDNN and makes no small-row copy.
+own copy of each weight, packed here (pack_small_rows). That kernel also matches oneDNN on many rows (its
+prefill tiles), so it serves every row count and no oneDNN copy is made (_small_rows_everywhere): float32 and
+bfloat16 on every CPU with its AVX2+FMA path at least (oneDNN is used where the kernel has no path for the CPU).
+PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count to oneDNN and makes no small-row copy.
 
 A head tied to the embedding (SmolLM2) is held once: the embedding's rows are gathered from the head's small-row
 copy (_embed_from_packed_head), and both original weights are released.
@@ -93,16 +91,14 @@ def small_rows_available() -> bool:
 def _small_rows_everywhere(dtype: torch.dtype) -> bool:
     """The small-row kernel serves every row count, prefill included, and no oneDNN copy is made.
 
-    Measured (docs/benchmarks.md, "Small-row linears", "An AVX2-only CPU's paths"): bfloat16 without vdpbf16ps (no
-    AVX-512 BF16), where oneDNN widens bfloat16 itself and was 3-5x slower at every row count (on AVX2 oneDNN has
-    no bfloat16, and F.linear was 4x slower than the kernel); float32 on the AVX-512 path, whose prefill tiles run
-    at oneDNN's rate from 128 to 2048 rows; float32 on the AVX2 path (its 6-row tiles 0.92-0.94x oneDNN's GEMM at
-    128-512 rows, the served steps the same speed, a weight copy less). Not measured, so oneDNN keeps it: bfloat16
-    with AVX-512 BF16 (oneDNN's native bf16 GEMM)."""
-    isa = ops.small_gemm_isa()
-    if dtype == torch.bfloat16:
-        return isa < ops.SMALL_GEMM_AVX512_BF16
-    return dtype == torch.float32 and isa >= ops.SMALL_GEMM_AVX2
+    Measured (docs/benchmarks.md, "Small-row linears", "An AVX2-only CPU's paths", "AVX-512 BF16"): bfloat16 on
+    every path: without vdpbf16ps oneDNN widens bfloat16 itself and was 3-5x slower at every row count (on AVX2
+    oneDNN has no bfloat16, and F.linear was 4x slower than the kernel); with vdpbf16ps (Zen 4) the kernel's tiles
+    were 1.3-1.45x oneDNN's native bf16 GEMM at 1 to 32 rows and 1.00-1.02x from 128 to 2048, so oneDNN's copy
+    (a second 256 MiB of weights) bought nothing; float32 on the AVX-512 path, whose prefill tiles run at oneDNN's
+    rate from 128 to 2048 rows; float32 on the AVX2 path (its 6-row tiles 0.92-0.94x oneDNN's GEMM at 128-512
+    rows, the served steps the same speed, a weight copy less)."""
+    return dtype in (torch.float32, torch.bfloat16) and ops.small_gemm_isa() >= ops.SMALL_GEMM_AVX2
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor:

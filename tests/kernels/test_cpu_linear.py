@@ -140,6 +140,32 @@ def test_bfloat16_goes_to_the_small_row_kernel_alone_where_onednn_cannot_pack_it
     assert packed_dtypes() == (torch.float32,)
 
 
+
+
+@pytest.mark.skipif(not small_rows_available(), reason="needs the compiled small-row kernel")
+def test_bfloat16_weights_are_held_once_even_where_onednn_packs_them(monkeypatch):
+    # On a CPU with AVX-512 BF16 (Zen 4) oneDNN has a native bfloat16 GEMM, and its copy used to serve the prefill
+    # beside the small-row copy: a second 256 MiB of SmolLM2's weights for no speed (docs/benchmarks.md,
+    # "AVX-512 BF16"). Every row count, a prefill's included, now runs on the small-row kernel at this CPU's best path.
+    from engine import ops
+
+    ref = _tiny_llama(torch.bfloat16, tied=False)
+    model = copy.deepcopy(ref)
+    assert pack_linears(model) == 2 * 4 + 1
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(m._packed_weight is None and m._small_weight is not None for m in linears), "no oneDNN copy"
+    assert all(m.weight.numel() == 0 for m in linears), "each weight held once"
+    calls = []
+    small_gemm = ops.small_gemm
+
+    def counting(out, x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return small_gemm(out, x, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "small_gemm", counting)
+    lens = [5, 17, 1, 40]
+    torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(torch.bfloat16))
+    assert max(calls) >= 40, "the prefill rows went to the small-row kernel too"
 @pytest.mark.skipif(torch.bfloat16 in packed_dtypes(), reason="this CPU packs bfloat16 weights")
 def test_bfloat16_stays_on_f_linear_where_nothing_packs_it():
     ref = _tiny_llama(torch.bfloat16, tied=False)
