@@ -16,7 +16,8 @@ a linear is a matrix-vector product bound by reading the weights once, and oneDN
 streamed them well under the memory's speed (docs/benchmarks.md, "Small-row linears"). That kernel reads its
 own copy of each weight, packed here (pack_small_rows). That kernel also matches oneDNN on many rows (its
 prefill tiles), so it serves every row count and no oneDNN copy is made (_small_rows_everywhere): float32 and
-bfloat16 on every CPU with its AVX2+FMA path at least (oneDNN is used where the kernel has no path for the CPU).
+bfloat16 on every CPU with its AVX2+FMA path at least, except bfloat16 on a CPU with AMX (oneDNN's tile GEMM
+there, not measured, keeps the rows above SMALL_ROWS, and the weights are held twice).
 PAGEDSERVE_SMALL_ROW_LINEAR=0 leaves every row count to oneDNN and makes no small-row copy.
 
 A head tied to the embedding (SmolLM2) is held once: the embedding's rows are gathered from the head's small-row
@@ -97,8 +98,17 @@ def _small_rows_everywhere(dtype: torch.dtype) -> bool:
     were 1.3-1.45x oneDNN's native bf16 GEMM at 1 to 32 rows and 1.00-1.02x from 128 to 2048, so oneDNN's copy
     (a second 256 MiB of weights) bought nothing; float32 on the AVX-512 path, whose prefill tiles run at oneDNN's
     rate from 128 to 2048 rows; float32 on the AVX2 path (its 6-row tiles 0.92-0.94x oneDNN's GEMM at 128-512
-    rows, the served steps the same speed, a weight copy less)."""
-    return dtype in (torch.float32, torch.bfloat16) and ops.small_gemm_isa() >= ops.SMALL_GEMM_AVX2
+    rows, the served steps the same speed, a weight copy less). Not measured, so oneDNN keeps the many-row
+    products: bfloat16 on a CPU with AMX, whose tile units oneDNN's GEMM uses and the kernel does not."""
+    if ops.small_gemm_isa() < ops.SMALL_GEMM_AVX2:
+        return False
+    if dtype == torch.bfloat16:
+        return not _cpu_has_amx()
+    return dtype == torch.float32
+
+
+def _cpu_has_amx() -> bool:
+    return bool(getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", lambda: False)())
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ same few milliseconds of a first token. The eager path stays the reference: `--e
 - CUDA (the ops' CUDA kernels; CUDA graphs would be that device's twin of this), the torch-reference backend;
 - tensor parallelism (the all-reduces are Python collectives);
 - linears not served by the small-row kernel at this row count (oneDNN's rows, PAGEDSERVE_SMALL_ROW_LINEAR=0,
-  a model whose linears were not packed): on a CPU where oneDNN keeps the prefill (bfloat16 with AVX-512
-  BF16) only steps of up to 16 tokens.
+  a model whose linears were not packed): on a CPU where oneDNN keeps the prefill (bfloat16 with AMX) only
+  steps of up to 16 tokens.
 
 Nothing is traced or generated at run time: the loop is part of the ops' JIT build (engine/ops_loader.py, cached
 under $PAGEDSERVE_CACHE, with its progress line at the first build).

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from engine import cpu_linear
 from engine.attention import AttentionMetadata, PrefillSpan
-from engine.cpu_linear import (EXACT_ROWS, bucket_rows, pack_linears, pack_small_rows, packed_dtypes,
+from engine.cpu_linear import (EXACT_ROWS, SMALL_ROWS, bucket_rows, pack_linears, pack_small_rows, packed_dtypes,
                                packed_linear_available, small_rows_available, small_rows_of)
 from engine.models.llama import LlamaForCausalLM
 from tiny_models import tiny_llama_config
@@ -142,7 +143,8 @@ def test_bfloat16_goes_to_the_small_row_kernel_alone_where_onednn_cannot_pack_it
 
 
 
-@pytest.mark.skipif(not small_rows_available(), reason="needs the compiled small-row kernel")
+@pytest.mark.skipif(not small_rows_available() or cpu_linear._cpu_has_amx(),
+                    reason="needs the compiled small-row kernel, and a CPU without AMX (oneDNN keeps bf16 there)")
 def test_bfloat16_weights_are_held_once_even_where_onednn_packs_them(monkeypatch):
     # On a CPU with AVX-512 BF16 (Zen 4) oneDNN has a native bfloat16 GEMM, and its copy used to serve the prefill
     # beside the small-row copy: a second 256 MiB of SmolLM2's weights for no speed (docs/benchmarks.md,
@@ -166,6 +168,20 @@ def test_bfloat16_weights_are_held_once_even_where_onednn_packs_them(monkeypatch
     lens = [5, 17, 1, 40]
     torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(torch.bfloat16))
     assert max(calls) >= 40, "the prefill rows went to the small-row kernel too"
+
+
+@pytest.mark.skipif(not small_rows_available() or not cpu_linear._onednn_packs_bf16(),
+                    reason="needs the small-row kernel and oneDNN's bfloat16 GEMM")
+def test_bfloat16_keeps_onednn_for_many_rows_on_a_cpu_with_amx(monkeypatch):
+    # AMX's tile GEMM (oneDNN) was never measured against the kernel: there the prefill stays on oneDNN. Simulated.
+    monkeypatch.setattr(cpu_linear, "_cpu_has_amx", lambda: True)
+    ref = _tiny_llama(torch.bfloat16, tied=False)
+    model = copy.deepcopy(ref)
+    assert pack_linears(model) == 2 * 4 + 1
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(m._packed_weight is not None and m._small_max_rows == SMALL_ROWS for m in linears)
+    lens = [5, 17, 1, 40]
+    torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(torch.bfloat16))
 @pytest.mark.skipif(torch.bfloat16 in packed_dtypes(), reason="this CPU packs bfloat16 weights")
 def test_bfloat16_stays_on_f_linear_where_nothing_packs_it():
     ref = _tiny_llama(torch.bfloat16, tied=False)
