@@ -120,6 +120,17 @@ def test_packed_linear_takes_any_leading_dims(dtype):
         torch.testing.assert_close(out, nn.functional.linear(x, weight, bias), **_tolerance(dtype))
 
 
+def _bfloat16_held_once() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """A tiny bfloat16 model and its packed copy, checked to hold each weight once, on the small-row kernel alone."""
+    ref = _tiny_llama(torch.bfloat16, tied=False)
+    model = copy.deepcopy(ref)
+    assert pack_linears(model) == 2 * 4 + 1
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(m._packed_weight is None and m._small_weight is not None for m in linears), "no oneDNN copy"
+    assert all(m.weight.numel() == 0 for m in linears), "each weight held once"
+    return ref, model
+
+
 @pytest.mark.skipif(not small_rows_available(), reason="needs the compiled small-row kernel")
 def test_bfloat16_goes_to_the_small_row_kernel_alone_where_onednn_cannot_pack_it(monkeypatch):
     # An AVX2-only CPU (Zen 3): oneDNN has no bfloat16 there, and F.linear ran it ~4x slower than float32. The
@@ -129,18 +140,11 @@ def test_bfloat16_goes_to_the_small_row_kernel_alone_where_onednn_cannot_pack_it
     monkeypatch.setattr(cpu_linear, "_onednn_packs_bf16", lambda: False)
     monkeypatch.setattr(ops, "small_gemm_isa", lambda: ops.SMALL_GEMM_AVX2)
     assert packed_dtypes() == (torch.float32, torch.bfloat16)
-    ref = _tiny_llama(torch.bfloat16, tied=False)
-    model = copy.deepcopy(ref)
-    assert pack_linears(model) == 2 * 4 + 1
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert all(m._packed_weight is None and m._small_weight is not None for m in linears), "no oneDNN copy"
-    assert all(m.weight.numel() == 0 for m in linears), "each weight held once"
+    ref, model = _bfloat16_held_once()
     lens = [5, 17, 1, 40]
     torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(torch.bfloat16))
     monkeypatch.setattr(ops, "small_gemm_isa", lambda: 0)  # no AVX2 either: F.linear keeps bfloat16
     assert packed_dtypes() == (torch.float32,)
-
-
 
 
 @pytest.mark.skipif(not small_rows_available() or cpu_linear._cpu_has_amx(),
@@ -151,12 +155,7 @@ def test_bfloat16_weights_are_held_once_even_where_onednn_packs_them(monkeypatch
     # "AVX-512 BF16"). Every row count, a prefill's included, now runs on the small-row kernel at this CPU's best path.
     from engine import ops
 
-    ref = _tiny_llama(torch.bfloat16, tied=False)
-    model = copy.deepcopy(ref)
-    assert pack_linears(model) == 2 * 4 + 1
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert all(m._packed_weight is None and m._small_weight is not None for m in linears), "no oneDNN copy"
-    assert all(m.weight.numel() == 0 for m in linears), "each weight held once"
+    ref, model = _bfloat16_held_once()
     calls = []
     small_gemm = ops.small_gemm
 
@@ -182,6 +181,8 @@ def test_bfloat16_keeps_onednn_for_many_rows_on_a_cpu_with_amx(monkeypatch):
     assert all(m._packed_weight is not None and m._small_max_rows == SMALL_ROWS for m in linears)
     lens = [5, 17, 1, 40]
     torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(torch.bfloat16))
+
+
 @pytest.mark.skipif(torch.bfloat16 in packed_dtypes(), reason="this CPU packs bfloat16 weights")
 def test_bfloat16_stays_on_f_linear_where_nothing_packs_it():
     ref = _tiny_llama(torch.bfloat16, tied=False)
