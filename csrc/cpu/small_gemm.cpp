@@ -55,7 +55,7 @@ constexpr int64_t kSmallRows = 4;
 constexpr int64_t kRowChunk = 128;
 constexpr int64_t kMinBlocksPerThread = 8;       // below this a second thread costs more than it saves (decode)
 constexpr int64_t kMinBlocksPerThreadWide = 2;   // the same with more than kSmallRows rows of work per block
-// Pieces per thread of a small-row GEMM's blocks, handed out as threads finish them (over_threads_shared): static
+// Pieces per thread of a small-row GEMM's blocks, handed out as threads finish them (over_threads): static
 // halves had a thread that started late hold the region's closing barrier; pieces took the median 30-layer float32
 // sweep (two runs at 1 row, one at 4) from 21.3 / 20.9 / 23.5 to 20.4 / 19.5 / 21.0 ms, in-process A/B on a Zen 4
 // (best times equal; bfloat16 at 1 row 9.69 -> 9.58 ms).
@@ -371,26 +371,25 @@ void run_blocks(const Kernels<X, W, RMax, BMax>& k, const X* x, int64_t xs, cons
   }
 }
 
+// fn(b0, b1) over the blocks on up to omp_get_max_threads() threads, at least min_blocks each. tile_blocks = 0: one
+// contiguous range per thread (the wide tiles' next-tile prefetch follows the range). tile_blocks > 0: pieces of
+// whole tiles, kPiecesPerThread per thread, each thread taking the next as it finishes one, so a thread that starts
+// late or runs slower (the other thread's Python, a VM's neighbour) takes fewer pieces instead of holding the
+// region's closing barrier while the other spins.
 template <typename Fn>
-void over_threads(int64_t blocks, int64_t min_blocks, Fn&& fn) {
+void over_threads(int64_t blocks, int64_t min_blocks, int64_t tile_blocks, Fn&& fn) {
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / min_blocks));
   if (threads == 1) return fn(int64_t{0}, blocks);
+  if (tile_blocks == 0) {
 #pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    fn(blocks * t / nt, blocks * (t + 1) / nt);
+    {
+      const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+      fn(blocks * t / nt, blocks * (t + 1) / nt);
+    }
+    return;
   }
-}
-
-// over_threads with the blocks handed out in pieces of `piece` (a multiple of a tile's blocks), each thread taking
-// the next piece as it finishes one: a thread that starts late or runs slower (the other thread's Python, a VM's
-// neighbour) takes fewer pieces instead of holding the region's closing barrier while the other spins.
-template <typename Fn>
-void over_threads_shared(int64_t blocks, int64_t min_blocks, int64_t tile_blocks, Fn&& fn) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / min_blocks));
-  if (threads == 1) return fn(int64_t{0}, blocks);
   const int64_t per = (blocks + threads * kPiecesPerThread - 1) / (threads * kPiecesPerThread);
-  const int64_t piece = std::max<int64_t>(tile_blocks, (per + tile_blocks - 1) / tile_blocks * tile_blocks);
+  const int64_t piece = (per + tile_blocks - 1) / tile_blocks * tile_blocks;
   const int64_t pieces = (blocks + piece - 1) / piece;
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
@@ -404,11 +403,11 @@ template <typename X, typename W, int R1, int B1, int R2, int B2>
 void run_path(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& wide, const X* x, int64_t xs,
               const W* w, int64_t w_block, int64_t depth, const TileOut& o, int64_t m, int64_t blocks) {
   if (m <= kSmallRows) {
-    over_threads_shared(blocks, kMinBlocksPerThread, B1, [&](int64_t b0, int64_t b1) {
+    over_threads(blocks, kMinBlocksPerThread, B1, [&](int64_t b0, int64_t b1) {
       run_blocks<false>(small, x, xs, w, w_block, depth, o, m, b0, b1);
     });
   } else {
-    over_threads(blocks, kMinBlocksPerThreadWide, [&](int64_t b0, int64_t b1) {
+    over_threads(blocks, kMinBlocksPerThreadWide, 0, [&](int64_t b0, int64_t b1) {
       run_blocks<true>(wide, x, xs, w, w_block, depth, o, m, b0, b1);
     });
   }
