@@ -95,3 +95,38 @@ def test_shutdown_waits_for_the_loop_instead_of_reading_the_engine_mid_step(make
     assert any(isinstance(o, Exception) for o in outputs)  # the deadline cut the requests mid-generation
     assert checked.overlapping_calls == []
     assert not engine.has_unfinished_requests()  # the aborts reached the engine before the loop stopped
+
+
+def test_steps_go_on_while_the_event_loop_is_busy_and_every_output_arrives_in_order(make_llm, monkeypatch):
+    """The step thread runs steps back to back and hands each one's outputs to the loop as they come: a loop
+    busy with other work (streaming, parsing) does not hold the next step back, and no output is lost or
+    reordered on the way."""
+    engine = make_llm("tiny").engine
+    step_ends: list[float] = []
+    step = engine.step
+
+    def timed_step():
+        out = step()
+        step_ends.append(time.monotonic())
+        return out
+
+    monkeypatch.setattr(engine, "step", timed_step)  # the engine is the session's: undone after the test
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    async def scenario():
+        front = AsyncLLMEngine(engine, log_stats=False)
+        lengths, busy = [], None
+        async for out in front.generate("r0", prompt_token_ids=[1, 2, 3], params=params):
+            lengths.append(len(out.outputs[0].token_ids))
+            if len(lengths) == 2:
+                start = time.monotonic()
+                time.sleep(0.3)  # the loop is blocked: only the step thread can move on
+                busy = (start, time.monotonic())
+        await front.shutdown(timeout_s=1.0)
+        return lengths, busy
+
+    lengths, (start, end) = asyncio.run(scenario())
+    assert lengths == list(range(1, 61))
+    during = [t for t in step_ends if start < t < end]
+    assert len(during) >= 5, f"{len(during)} steps ended while the loop was blocked for 0.3 s"
+    assert not engine.has_unfinished_requests()
