@@ -28,10 +28,14 @@ using attn::Geometry;
 using attn::Item;
 
 // Below this many multiply-adds (one pass, QK or PV) a call stays on the calling
-// thread: waking the OpenMP team (parallel.h) costs more than it saves.
-constexpr int64_t kParallelMinWork = int64_t{1} << 20;  // 50-80 us on one Zen 4 core
+// thread: waking the OpenMP team (parallel.h) costs more than it saves. In a decode
+// step each layer's cache is read cold (megabytes of weights went through the caches
+// since), so one thread is slower than on a warm cache: at 1 to 4 sequences of 128-528
+// tokens, splitting from 64k (with 64-token spans) took 4-10 % off the whole step, where
+// the old 1M / 256-token limits kept them on one thread (docs/benchmarks.md, 2026-11-25).
+constexpr int64_t kParallelMinWork = int64_t{1} << 16;
 constexpr int64_t kItemsPerThread = 4;  // enough for the item queue (parallel.h) to even out
-constexpr int64_t kMinSpan = 256;       // tokens: shorter spans cost more to merge than they save
+constexpr int64_t kMinSpan = 64;        // tokens: shorter spans cost more to merge than they save
 
 struct Plan {
   int64_t span;       // tokens per work item (a multiple of block_size unless num_spans == 1)
