@@ -125,12 +125,12 @@ def test_gqa_groups_over_long_split_contexts(dtype, group, block_size, threads):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("lens", [[300], [130, 65], [80]])
+@pytest.mark.parametrize("lens", [[300], [130, 65], [257]])
 def test_one_streams_decode_contexts_split_into_short_spans(dtype, block_size, lens):
-    # The contexts of a decode step at one or two streams (from 64k multiply-adds the work goes to both
-    # threads, in spans of 64 tokens rounded up to whole blocks): spans past a context's end, a last span of a
-    # few tokens, each merged by its max logit and sum.
-    case = make_case(1, 4, 64, block_size, lens, dtype, "cpu", seed=block_size + len(lens))
+    # The contexts of a decode step at one or two streams: with 8 query heads of 64 on one kv head each case is
+    # past 64k multiply-adds, so with 2 threads each context is cut into spans of 64 tokens (rounded up to whole
+    # blocks): spans past a context's end, a last span of one or two tokens, each merged by its max logit and sum.
+    case = make_case(1, 8, 64, block_size, lens, dtype, "cpu", seed=block_size + len(lens))
     with torch_threads(2):
         out, ref = run_both(*case)
     torch.testing.assert_close(out, ref, **tolerances(dtype))
