@@ -58,6 +58,8 @@ class Sampler:
                        if seq.grammar is not None]
         if constrained:
             logits = _mask_to_grammars(logits, raw_logits, constrained)
+        elif logits is raw_logits and all(_plain_greedy(group.sampling_params) for group, _ in groups):
+            return _greedy_samples(raw_logits, groups)
 
         # Row layout: group i owns rows [starts[i], starts[i] + len(seqs)).
         starts, row = [], 0
@@ -205,6 +207,30 @@ class Sampler:
             out.append(samples)
             slot += count
         return out
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return params.greedy and not params.logprobs  # greedy excludes beam search; one sample a row (_num_samples)
+
+
+def _greedy_samples(logits: torch.Tensor, groups: list[tuple[SequenceGroup, list[Sequence]]]) -> list[list[Sample]]:
+    """Every row greedy, without top logprobs, on logits nothing adjusted: each row's argmax and its logprob
+    (logit - logsumexp), the same values as the slot path's, from one kernel call and two host transfers.
+
+    The common chat request's step: the slot path's ~15 small tensor ops cost ~0.2 ms of a one-stream decode step
+    (its caches are cold after the forward's weight stream), ~2 % of the step."""
+    argmax, lse = ops.argmax_logsumexp(logits)
+    tokens = argmax.tolist()
+    lps = (logits.gather(1, argmax.unsqueeze(1)).squeeze(1) - lse).tolist()
+    out: list[list[Sample]] = []
+    row = 0
+    for _, seqs in groups:
+        samples = []
+        for seq in seqs:
+            samples.append(Sample(seq.seq_id, tokens[row], {tokens[row]: lps[row]}))
+            row += 1
+        out.append(samples)
+    return out
 
 
 def _mask_to_grammars(logits: torch.Tensor, raw_logits: torch.Tensor, constrained) -> torch.Tensor:

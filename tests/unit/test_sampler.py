@@ -52,6 +52,24 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
             assert lp == pytest.approx(float(ref[r, t]), abs=1e-6)
 
 
+def test_a_plain_greedy_batch_samples_what_the_slot_path_samples():
+    # Every row greedy without top logprobs takes the one-kernel path; one random row sends the same logits
+    # through the slot path. The greedy rows get the same tokens (the first index on a tie) and bit-equal logprobs.
+    logits = rand_logits(5, seed=3)
+    logits[1, 4] = logits[1, 9] = logits[1].max() + 1.0  # a tie: the first index wins, as torch.argmax
+    plain = [make_group(SamplingParams(temperature=0.0, logprobs=0 if r % 2 else None)) for r in range(5)]
+    fast = [s for samples in Sampler(EOS)(logits, plain) for s in samples]
+    mixed = plain[:-1] + [make_group(SamplingParams(temperature=1.0, seed=1))]
+    slot = [s for samples in Sampler(EOS)(logits, mixed) for s in samples]
+    ref = torch.log_softmax(logits, dim=-1)
+    assert [s.token_id for s in fast] == logits.argmax(dim=-1).tolist() and fast[1].token_id == 4
+    assert [s.parent_seq_id for s in fast] == [seqs[0].seq_id for _, seqs in plain]
+    for r, s in enumerate(fast):
+        assert s.logprobs == {s.token_id: pytest.approx(float(ref[r, s.token_id]), abs=1e-5)}
+        if r < 4:
+            assert s == slot[r]
+
+
 def test_logprobs_hold_the_sampled_token_even_outside_the_top_k():
     logits = torch.zeros(1, VOCAB)
     logits[0, :5] = 10.0
