@@ -28,7 +28,11 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # A CPU decode batch is split across the cores when each shard gets at least this many sequences:
 # each core runs the whole model on its shard, one OpenMP thread each (see ModelRunner._split_decode).
-SPLIT_MIN_ROWS = 8
+# Since the small-row GEMMs share their pieces between the threads and a step's layers run as one C++ loop, one
+# forward on both threads is the faster at 16 to 24 sequences (bfloat16 at 16: 25.1 against 27.0 ms a step,
+# at 24: 31.2 against 33.3; float32 at 16: 40.5 against 43.4; in-process A/B on a Zen 4) and level at 32
+# (43.2 / 44.7 and 43.2 / 42.3 ms): from 32 the shards keep the step thread's hand-offs down.
+SPLIT_MIN_ROWS = 16
 # At most this many shards: each one reads every weight; more is untested (docs/benchmarks.md measured 2).
 SPLIT_MAX_SHARDS = 2
 _SPLIT_ENV = "PAGEDSERVE_SPLIT_DECODE"  # 0: one forward per step, as on CUDA (A/B comparisons)

@@ -12,7 +12,7 @@ from tests.kernels.conftest import torch_threads  # the e2e conftest sets 1 thre
 
 pytestmark = pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU, reason="needs the compiled CPU ops")
 
-NUM_PROMPTS = 2 * SPLIT_MIN_ROWS + 3  # two shards, of 9 and 10 sequences
+NUM_PROMPTS = 2 * SPLIT_MIN_ROWS + 3  # two shards, of 17 and 18 sequences
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -67,4 +67,4 @@ def test_small_batches_and_prefills_are_not_split(default_model_dir):
         prompts = _prompts(llm.get_tokenizer())[: 2 * SPLIT_MIN_ROWS - 1]
         llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=4),
                      use_tqdm=False)
-    assert calls == []  # 15 sequences: one shard of 8 would be too small
+    assert calls == []  # 31 sequences: one shard of 15 would be too small
