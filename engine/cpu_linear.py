@@ -30,10 +30,12 @@ Use (the loader, once the weights are loaded):
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import sys
 import types
 from collections import Counter
+from typing import Optional
 
 import torch
 from torch import nn
@@ -111,9 +113,16 @@ def _cpu_has_amx() -> bool:
     return bool(getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", lambda: False)())
 
 
-def pack_small_rows(weight: torch.Tensor) -> torch.Tensor:
+def small_rows_numel(weight: torch.Tensor) -> int:
+    """Elements of W [N, K]'s pack_small_rows form."""
+    n, k = weight.shape
+    return -(-n // SMALL_BLOCK) * SMALL_BLOCK * (k if weight.dtype == torch.float32 else k + k % 2)
+
+
+def pack_small_rows(weight: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W [N, K] in csrc/cpu/small_gemm.cpp's streaming layout, 1-D, zero-padded: float32 [N/16][K][16],
-    bfloat16 [N/16][K/2][16][2] (pairs of k per column: vdpbf16ps' operand).
+    bfloat16 [N/16][K/2][16][2] (pairs of k per column: vdpbf16ps' operand). Into `out` (1-D, W's dtype,
+    small_rows_numel(W) elements) when given.
 
     Packed PACK_CHUNK_BLOCKS blocks at a time into the result: the temporaries stay a few MiB however large W is
     (whole, the LM head's would have held W three times at the load's peak)."""
@@ -122,7 +131,11 @@ def pack_small_rows(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     per_block = SMALL_BLOCK * (k if weight.dtype == torch.float32 else k + k % 2)  # elements of one packed block
     blocks = -(-n // SMALL_BLOCK)
-    out = weight.new_empty(blocks * per_block)
+    if out is None:
+        out = weight.new_empty(blocks * per_block)
+    elif out.shape != (blocks * per_block,) or out.dtype != weight.dtype:
+        raise ValueError(f"pack_small_rows: out must be 1-D {weight.dtype} of {blocks * per_block} elements, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     for b0 in range(0, blocks, PACK_CHUNK_BLOCKS):
         b1 = min(blocks, b0 + PACK_CHUNK_BLOCKS)
         out[b0 * per_block:b1 * per_block] = _pack_blocks(weight[b0 * SMALL_BLOCK:b1 * SMALL_BLOCK])
@@ -194,8 +207,9 @@ def pack_linears(model: nn.Module) -> int:
     linears = [m for m in model.modules() if type(m) is nn.Linear and _packable(m.weight, dtypes)]
     users = _storage_users(model)
     released = 0
+    slots = _small_rows_arena(linears) if small_rows_available() else {}
     for m in linears:  # each original goes as soon as its copy exists: the peak holds one linear twice, not all
-        _pack(m)
+        _pack(m, slots.get(m))
         if _release(m, users):
             released += 1
             _trim_heap()  # free() keeps the pages in glibc's heap, where the next packed copy may not fit
@@ -214,10 +228,50 @@ def _packable(w: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
     return w.device.type == "cpu" and w.dtype in dtypes and not w.is_meta and w.numel() > 0
 
 
-def _pack(module: nn.Linear) -> None:
-    """Pack module's weight (small-row form, oneDNN's form, or both) and switch its forward to them."""
+def _small_rows_arena(linears: list[nn.Linear]) -> dict[nn.Linear, torch.Tensor]:
+    """Each linear's slot for its small-row copy, in one buffer on huge pages (huge_page_buffer), in the order
+    of `linears` (the model's: a step reads them in that order), each slot 64-byte aligned.
+
+    One stream over contiguous, huge-paged weights instead of ~120 separate allocations on 4 KiB pages: a one-stream
+    decode step ~2 % shorter (in-process A/B on a Zen 4, bfloat16 11.94 -> 11.65 ms, float32 19.70 -> 19.48 ms;
+    contiguous alone, on 4 KiB pages, about half of that). The buffer's pages are written as each linear is
+    packed, so the load's peak memory is unchanged."""
+    offsets, total = [], 0
+    for m in linears:
+        offsets.append(total)
+        total += -(-small_rows_numel(m.weight) * m.weight.element_size() // 64) * 64
+    arena = huge_page_buffer(total)
+    return {m: arena[o : o + small_rows_numel(m.weight) * m.weight.element_size()].view(m.weight.dtype)
+            for m, o in zip(linears, offsets)}
+
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of nbytes, its start 2 MiB-aligned, on transparent huge pages where the kernel gives them.
+
+    Anonymous private memory asked for with MADV_HUGEPAGE (Linux, THP "always" or "madvise"): a stream over it
+    takes one TLB entry per 2 MiB instead of per 4 KiB. Its pages are touched, and counted in RSS, as they are
+    written, as torch.empty's are. The tensor keeps the mapping alive; without MADV_HUGEPAGE it is plain memory."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags) if flags else mmap.mmap(-1, nbytes + HUGE_PAGE)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to `mapping`
+    offset = -raw.data_ptr() % HUGE_PAGE
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and nbytes:
+        try:
+            mapping.madvise(advice, offset, nbytes)
+        except OSError:  # a kernel without THP: plain pages
+            pass
+    return raw[offset : offset + nbytes]
+
+
+def _pack(module: nn.Linear, small_slot: Optional[torch.Tensor] = None) -> None:
+    """Pack module's weight (small-row form, into small_slot when given; oneDNN's form; or both) and switch its
+    forward to them."""
     w = module.weight
-    module._small_weight = pack_small_rows(w.detach()) if small_rows_available() else None
+    module._small_weight = pack_small_rows(w.detach(), small_slot) if small_rows_available() else None
     small_everywhere = module._small_weight is not None and _small_rows_everywhere(w.dtype)
     module._small_max_rows = sys.maxsize if small_everywhere else SMALL_ROWS
     module._packed_weight = None if small_everywhere else torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)

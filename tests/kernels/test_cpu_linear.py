@@ -107,6 +107,23 @@ def test_packed_llama_matches_unpacked(dtype, tied):
     torch.testing.assert_close(_logits(model, lens), _logits(ref, lens), **_tolerance(dtype))
 
 
+@pytest.mark.skipif(not small_rows_available(), reason="no small-row kernel")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_row_copies_are_one_stream_in_the_order_a_step_reads_them(dtype):
+    model = _tiny_llama(dtype, tied=True)
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    pack_linears(model)
+    copies = [m._small_weight for m in linears]
+    storage = copies[0].untyped_storage().data_ptr()
+    assert all(c.untyped_storage().data_ptr() == storage for c in copies), "one buffer holds every copy"
+    starts = [c.data_ptr() for c in copies]
+    assert starts[0] % cpu_linear.HUGE_PAGE == 0 and all(s % 64 == 0 for s in starts)
+    for c, nxt in zip(copies, starts[1:]):  # layer by layer (qkv, o, gate_up, down), then the head; no overlap
+        assert c.data_ptr() + c.numel() * c.element_size() <= nxt < c.data_ptr() + c.numel() * c.element_size() + 64
+    lens = [5, 17, 1, 40]
+    torch.testing.assert_close(_logits(model, lens), _logits(_tiny_llama(dtype, tied=True), lens), **_tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_packed_linear_takes_any_leading_dims(dtype):
     torch.manual_seed(2)
