@@ -20,6 +20,16 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+CUDA_BLOCK_SIZES = (8, 16, 32)  # vLLM's; the CUDA kernels were tested at these
+CUDA_BLOCK_SIZE = 16
+# On CPU a decode step reads each sequence's K and V cold from memory, one block's run per kv head at a time:
+# 128-token runs instead of 16-token ones took a 32-stream bfloat16 decode step from 46.6 to 41.7 ms (8 streams
+# 15.5 -> 14.5 ms, one stream level; docs/benchmarks.md). vLLM's CPU backend with IPEX defaults to 128 too. The
+# price: the prefix cache shares whole blocks only, so prefixes shorter than 128 tokens are not reused.
+CPU_BLOCK_SIZE = 128
+
+
 @dataclass
 class EngineConfig:
     """Every engine knob, with vLLM's names and defaults. Fields the model decides stay None until resolved."""
@@ -32,7 +42,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
     max_model_len: Optional[int] = None
-    block_size: int = 16
+    block_size: Optional[int] = None  # tokens per KV block; None: CPU_BLOCK_SIZE on CPU, CUDA_BLOCK_SIZE on CUDA
     gpu_memory_utilization: float = 0.90
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     kv_cache_space: float = 4.0  # GiB of KV cache on CPU
@@ -62,7 +72,7 @@ class EngineConfig:
         if isinstance(self.scheduling_policy, str):
             self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         checks = [
-            ("block_size", self.block_size in (8, 16, 32), "must be 8, 16 or 32"),
+            ("block_size", self.block_size in (None, *BLOCK_SIZES), "must be 8, 16, 32, 64 or 128"),
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("load_format", self.load_format in ("auto", "safetensors", "gguf", "dummy"), "must be auto, safetensors, gguf or dummy"),
@@ -82,6 +92,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1 and not (name == "num_cpu_blocks_override" and value == 0):
                 raise ValueError(f"{name} must be positive, got {value}.")
+        if self.device != "auto":
+            self.resolve_block_size(self.device)
+
+    def resolve_block_size(self, device_type: str) -> None:
+        """The device's default block size unless one was given (LLMEngine calls this once "auto" is a device)."""
+        if self.block_size is None:
+            self.block_size = CPU_BLOCK_SIZE if device_type == "cpu" else CUDA_BLOCK_SIZE
+        elif device_type == "cuda" and self.block_size not in CUDA_BLOCK_SIZES:
+            raise ValueError(f"block_size must be 8, 16 or 32 on CUDA, got {self.block_size} (64 and 128: CPU only).")
 
     @property
     def model_name(self) -> str:

@@ -37,6 +37,7 @@ class LLMEngine:
         # start (ops_loader.require_backend), and loading imports torch.utils.cpp_extension (setuptools,
         # ~0.3 s holding the GIL), which in the first step would stall a server's event loop.
         device = resolve_device(config)
+        config.resolve_block_size(device.type)
         ops.require_backend(device)
         # Tensor parallelism: the other ranks load their shards alongside this one (engine/tp_workers.py).
         self.workers: Optional[TPWorkers] = None

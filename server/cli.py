@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32])
+    serve.add_argument("--block-size", type=int, default=None, choices=[8, 16, 32, 64, 128],
+                       help="tokens per KV cache block (default: 128 on CPU, 16 on CUDA; CUDA takes 8, 16 or 32)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     serve.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks")
     serve.add_argument("--kv-cache-space", type=float, default=4.0, help="GiB of KV cache on CPU")

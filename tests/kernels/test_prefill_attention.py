@@ -57,8 +57,8 @@ def test_prompt_without_prefix_matches_reference(dtype, group, head_size, q_len)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 3, 4])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("q_len,num_cached", [(1, 40), (33, 17), (20, 0)])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 128])
+@pytest.mark.parametrize("q_len,num_cached", [(1, 40), (33, 17), (20, 0), (70, 130)])
 def test_cached_prefix_in_paged_blocks_matches_reference(dtype, group, block_size, q_len, num_cached):
     case = paged_case(q_len, num_cached, 2, group, 64, block_size, dtype, seed=block_size + group)
     out, ref = run_both(*case)

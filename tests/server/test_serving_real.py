@@ -135,7 +135,7 @@ def test_metrics_count_a_request_exactly(client, real_server):
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 4
     assert after["e2e_request_latency_seconds_count"] - before["e2e_request_latency_seconds_count"] == 1
     text = httpx.get(real_server.base_url + "/metrics").text
-    assert metric(text, "pagedserve:cache_config_info", 'block_size="16"') == 1.0
+    assert metric(text, "pagedserve:cache_config_info", 'block_size="128"') == 1.0  # the CPU default
 
 
 LONG_PROMPT = ("Photosynthesis is the process by which green plants, algae and some bacteria convert light energy "

@@ -249,6 +249,19 @@ def test_config_must_be_resolved():
         Scheduler(EngineConfig(), 4, 4)
 
 
+def test_block_size_defaults_to_the_devices_and_cuda_keeps_its_own_sizes():
+    assert EngineConfig(device="cpu").block_size == 128 and EngineConfig(device="cuda").block_size == 16
+    auto = EngineConfig()
+    assert auto.block_size is None  # until the engine knows its device
+    auto.resolve_block_size("cpu")
+    assert auto.block_size == 128
+    assert EngineConfig(device="cpu", block_size=16).block_size == 16
+    with pytest.raises(ValueError, match="8, 16 or 32 on CUDA"):
+        EngineConfig(device="cuda", block_size=128)
+    with pytest.raises(ValueError, match="block_size must be 8, 16, 32, 64 or 128"):
+        EngineConfig(block_size=24)
+
+
 def test_preemption_mode_recompute_applies_to_groups_of_several():
     sched = make_scheduler(num_device_blocks=5, preemption_mode=PreemptionMode.RECOMPUTE)
     a, b = a_and_forked_b(sched)
