@@ -30,9 +30,12 @@ from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 # each core runs the whole model on its shard, one OpenMP thread each (see ModelRunner._split_decode).
 # Since the small-row GEMMs share their pieces between the threads and a step's layers run as one C++ loop, one
 # forward on both threads is the faster at 16 to 24 sequences (bfloat16 at 16: 25.1 against 27.0 ms a step,
-# at 24: 31.2 against 33.3; float32 at 16: 40.5 against 43.4; in-process A/B on a Zen 4) and level at 32
-# (43.2 / 44.7 and 43.2 / 42.3 ms): from 32 the shards keep the step thread's hand-offs down.
+# at 24: 31.2 against 33.3; float32 at 16: 40.5 against 43.4; in-process A/B on a Zen 4). Each shard reads every
+# weight, which costs more where the multiply-adds are cheaper: with 128-token KV blocks bfloat16 at 32 ran
+# 34.6 / 45.9 ms as one forward against 36.3 / 47.8 split, and 48.9 against 47.9 at 40; float32 at 32 70.3
+# against 67.7 (split). So float32 splits from 32 sequences, bfloat16 from 40.
 SPLIT_MIN_ROWS = 16
+SPLIT_MIN_ROWS_BF16 = 20
 # At most this many shards: each one reads every weight; more is untested (docs/benchmarks.md measured 2).
 SPLIT_MAX_SHARDS = 2
 _SPLIT_ENV = "PAGEDSERVE_SPLIT_DECODE"  # 0: one forward per step, as on CUDA (A/B comparisons)
@@ -90,6 +93,8 @@ class ModelRunner:
         self._split = (self.device.type == "cpu" and self._threads > 1 and os.environ.get(_SPLIT_ENV, "1") != "0"
                        and ops.backend() is ops.OpsBackend.COMPILED_CPU and self.tp.group is None)
         self._shard_pool: Optional[ThreadPoolExecutor] = None  # started on the first split step
+        dtype = next(model.parameters(), torch.empty(0)).dtype
+        self._split_min_rows = SPLIT_MIN_ROWS_BF16 if dtype == torch.bfloat16 else SPLIT_MIN_ROWS
 
     @torch.inference_mode()
     def execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None] = _no_fault,
@@ -136,7 +141,7 @@ class ModelRunner:
         meta = inp.meta
         if not self._split or meta.num_prefill_tokens or inp.prompt_rows:
             return 1
-        return min(self._threads, SPLIT_MAX_SHARDS, meta.num_decode_tokens // SPLIT_MIN_ROWS)
+        return min(self._threads, SPLIT_MAX_SHARDS, meta.num_decode_tokens // self._split_min_rows)
 
     def _split_decode(self, inp: ModelInput, kv_caches: list[KVCache], shards: int) -> torch.Tensor:
         n = inp.meta.num_decode_tokens

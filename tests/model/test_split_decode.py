@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, ops
-from engine.model_runner import SPLIT_MIN_ROWS
+from engine.model_runner import SPLIT_MIN_ROWS, SPLIT_MIN_ROWS_BF16
 from engine.sampling_params import SamplingParams
 from tests.kernels.conftest import torch_threads  # the e2e conftest sets 1 thread for the session
 
@@ -15,10 +15,10 @@ pytestmark = pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU
 NUM_PROMPTS = 2 * SPLIT_MIN_ROWS + 3  # two shards, of 17 and 18 sequences
 
 
-def _prompts(tokenizer) -> list[list[int]]:
+def _prompts(tokenizer, num: int = NUM_PROMPTS) -> list[list[int]]:
     topics = ["the sea", "a red fox", "prime numbers", "Paris in spring", "how bread rises", "the moon",
               "a chess opening", "rain on a roof", "old maps", "the speed of light"]
-    texts = [f"Write one sentence about {topics[i % len(topics)]}, take {i}." for i in range(NUM_PROMPTS)]
+    texts = [f"Write one sentence about {topics[i % len(topics)]}, take {i}." for i in range(num)]
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
@@ -68,3 +68,20 @@ def test_small_batches_and_prefills_are_not_split(default_model_dir):
         llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=4),
                      use_tqdm=False)
     assert calls == []  # 31 sequences: one shard of 15 would be too small
+
+
+def test_bfloat16_splits_only_from_its_own_larger_batch(default_model_dir):
+    # Each shard reads every weight: bfloat16's cheaper multiply-adds make that pay only from 40 sequences.
+    with torch_threads(2):
+        llm = LLM(model=str(default_model_dir), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=128,
+                  num_cpu_blocks_override=16, block_size=16, seed=0)
+        runner = llm.engine.model_runner
+        calls = []
+        original = runner._split_decode
+        runner._split_decode = lambda inp, *a: calls.append(inp.meta.num_decode_tokens) or original(inp, *a)
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        prompts = _prompts(llm.get_tokenizer(), 2 * SPLIT_MIN_ROWS_BF16)
+        llm.generate(prompt_token_ids=prompts[: 2 * SPLIT_MIN_ROWS], sampling_params=params, use_tqdm=False)
+        assert calls == []  # 32 sequences: float32 would split them
+        llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert calls and set(calls) == {2 * SPLIT_MIN_ROWS_BF16}
