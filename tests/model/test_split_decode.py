@@ -56,14 +56,19 @@ def test_split_decode_matches_one_forward(default_model_dir):
     assert stats.num_running == 0 and stats.device_cache_usage == 0.0  # every block back in the pool
 
 
+def _split_counting_llm(model_dir, dtype: str, num_blocks: int) -> tuple[LLM, list[int]]:
+    """An LLM on 2 threads whose runner records each split step's decode batch size."""
+    llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=256, num_gpu_blocks_override=num_blocks,
+              num_cpu_blocks_override=16, block_size=16, seed=0)
+    runner, calls = llm.engine.model_runner, []
+    original = runner._split_decode
+    runner._split_decode = lambda inp, *a: calls.append(inp.meta.num_decode_tokens) or original(inp, *a)
+    return llm, calls
+
+
 def test_small_batches_and_prefills_are_not_split(default_model_dir):
     with torch_threads(2):
-        llm = LLM(model=str(default_model_dir), dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-                  num_cpu_blocks_override=16, block_size=16, seed=0)
-        runner = llm.engine.model_runner
-        calls = []
-        original = runner._split_decode
-        runner._split_decode = lambda *a: calls.append(a) or original(*a)
+        llm, calls = _split_counting_llm(default_model_dir, "float32", 64)
         prompts = _prompts(llm.get_tokenizer())[: 2 * SPLIT_MIN_ROWS - 1]
         llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0.0, max_tokens=4),
                      use_tqdm=False)
@@ -73,12 +78,7 @@ def test_small_batches_and_prefills_are_not_split(default_model_dir):
 def test_bfloat16_splits_only_from_its_own_larger_batch(default_model_dir):
     # Each shard reads every weight: bfloat16's cheaper multiply-adds make that pay only from 40 sequences.
     with torch_threads(2):
-        llm = LLM(model=str(default_model_dir), dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=128,
-                  num_cpu_blocks_override=16, block_size=16, seed=0)
-        runner = llm.engine.model_runner
-        calls = []
-        original = runner._split_decode
-        runner._split_decode = lambda inp, *a: calls.append(inp.meta.num_decode_tokens) or original(inp, *a)
+        llm, calls = _split_counting_llm(default_model_dir, "bfloat16", 128)
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         prompts = _prompts(llm.get_tokenizer(), 2 * SPLIT_MIN_ROWS_BF16)
         llm.generate(prompt_token_ids=prompts[: 2 * SPLIT_MIN_ROWS], sampling_params=params, use_tqdm=False)
