@@ -136,7 +136,6 @@ def determine_num_blocks(
     step's scratch that forward does not allocate (step_scratch_bytes).
     Host blocks: num_cpu_blocks_override, else swap_space GiB.
     """
-    config.resolve_block_size(torch.device(device).type)
     block_bytes = cache_block_bytes(config.block_size, hf_config, dtype, config.tensor_parallel_size)
     flag = "--num-gpu-blocks-override"
     if config.num_gpu_blocks_override is not None:

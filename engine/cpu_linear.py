@@ -128,13 +128,12 @@ def pack_small_rows(weight: torch.Tensor, out: Optional[torch.Tensor] = None) ->
     (whole, the LM head's would have held W three times at the load's peak)."""
     if weight.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the small-row layout is for float32 and bfloat16 weights, got {weight.dtype}")
-    n, k = weight.shape
-    per_block = SMALL_BLOCK * (k if weight.dtype == torch.float32 else k + k % 2)  # elements of one packed block
-    blocks = -(-n // SMALL_BLOCK)
+    numel, blocks = small_rows_numel(weight), -(-weight.shape[0] // SMALL_BLOCK)
+    per_block = numel // blocks  # elements of one packed block
     if out is None:
-        out = weight.new_empty(blocks * per_block)
-    elif out.shape != (blocks * per_block,) or out.dtype != weight.dtype:
-        raise ValueError(f"pack_small_rows: out must be 1-D {weight.dtype} of {blocks * per_block} elements, "
+        out = weight.new_empty(numel)
+    elif out.shape != (numel,) or out.dtype != weight.dtype:
+        raise ValueError(f"pack_small_rows: out must be 1-D {weight.dtype} of {numel} elements, "
                          f"got {tuple(out.shape)} {out.dtype}")
     for b0 in range(0, blocks, PACK_CHUNK_BLOCKS):
         b1 = min(blocks, b0 + PACK_CHUNK_BLOCKS)

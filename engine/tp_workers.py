@@ -180,6 +180,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int
     from engine.worker import RankState
 
     device = resolve_device(config)
+    config.resolve_block_size(device.type)  # as LLMEngine does on rank 0 (a torchrun rank builds its own config)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world))
     ops.require_backend(device)

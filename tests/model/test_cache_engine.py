@@ -67,7 +67,7 @@ def test_cpu_blocks_come_from_kv_cache_space_and_swap_space():
     config = EngineConfig(kv_cache_space=0.01, swap_space=0.005, max_model_len=64, block_size=16)
     num_gpu, num_cpu = determine_num_blocks(config, HF_CONFIG, torch.float32, torch.device("cpu"))
     assert num_gpu == int(0.01 * 2**30) // block and num_cpu == int(0.005 * 2**30) // block
-    config = EngineConfig(num_gpu_blocks_override=7, num_cpu_blocks_override=0, max_model_len=64)
+    config = EngineConfig(num_gpu_blocks_override=7, num_cpu_blocks_override=0, max_model_len=64, device="cpu")
     assert determine_num_blocks(config, HF_CONFIG, torch.float32, torch.device("cpu")) == (7, 0)
 
 
