@@ -3,7 +3,8 @@
 // comes from memory once for the whole group: QK takes 8 K rows at a time and
 // feeds each K vector to kQkTile heads from registers (the rest from L1), PV
 // feeds each V row to kMaxTile heads' accumulators (larger groups: a pass per
-// tile, from cache). float32 accumulation throughout.
+// tile, from cache). float32 accumulation throughout. A thread reads its items'
+// rows in one stream, which Lookahead prefetches ahead of the reads.
 #pragma once
 
 #include <algorithm>
@@ -43,18 +44,74 @@ inline const T* row(const T* cache, const Item<T>& it, int64_t block, int64_t of
   return cache + ((physical * g.num_kv_heads + it.kv_head) * g.block_size + offset) * g.head_size;
 }
 
-// Blocks are scattered in memory, so the hardware prefetcher (which follows
-// address streams) misses the start of each one: while QK works on block b,
-// ask for K of block b + kAhead and V of block b (read back by PV after the softmax).
-constexpr int64_t kAhead = 2;
+// The KV rows are read in one order per thread (an item's K rows, its V rows, the next item's K rows, ...), from
+// blocks scattered in memory: the hardware prefetcher, which follows address streams and stops at page ends,
+// missed the start of each block. Lookahead asks for the rows kLookaheadBytes ahead of the reads, into L2 (T2),
+// as the reads go: a decode step's attention over cold KV (32 sequences of 192 tokens, 30 layers, bfloat16)
+// went from 9.6 to 5.5 ms, ~26 GB/s on a VM that reads ~30 (docs/benchmarks.md, "Attention reads ahead").
+// The prefetch it replaced, each item's whole K (two blocks ahead) and first V block in one burst as the item
+// began, left the core waiting on that burst before it computed: memory and compute took turns.
+// 4 or 16 KiB ahead ran 3-7 % slower; into L1 (T0) 50 % slower, the lines pushed each other out.
+constexpr int64_t kLookaheadBytes = 8 << 10;
 
 template <typename T>
-inline void prefetch_block(const T* cache, const Item<T>& it, int64_t block, const Geometry& g) {
-  if (block * g.block_size >= it.end) return;
-  const char* p = reinterpret_cast<const char*>(row(cache, it, block, 0, g));
-  const int64_t bytes = g.block_size * g.head_size * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-}
+class Lookahead {
+ public:
+  explicit Lookahead(const Geometry& g)
+      : g_(g), lines_((g.head_size * static_cast<int64_t>(sizeof(T)) + 63) / 64),
+        distance_(std::max<int64_t>(1, kLookaheadBytes / (lines_ * 64))) {}
+
+  // Queues the thread's next item; the first one is primed (the rows one distance ahead asked for at once).
+  void push(const Item<T>& it) {
+    ring_[pushed_ % kRing] = it;
+    if (cur_ == pushed_++) {
+      begin_stream(0);
+      if (pushed_ == 1) advance(distance_);
+    }
+  }
+  // The reader starts item `index` (0, 1, ... in push order): a cursor still behind it jumps there.
+  void reader_at(int64_t index) {
+    if (cur_ < index) {
+      cur_ = index;
+      if (cur_ < pushed_) begin_stream(0);
+    }
+  }
+  // The reader read `tokens` more rows: ask for as many at the cursor.
+  void advance(int64_t tokens) {
+    while (tokens > 0 && cur_ < pushed_) {
+      const Item<T>& it = ring_[cur_ % kRing];
+      if (tok_ < it.end) {  // rows of one block at a time: contiguous
+        const int64_t n = std::min({tokens, g_.block_size - offset_, it.end - tok_});
+        const char* p = reinterpret_cast<const char*>(row(stream_ ? it.value_cache : it.key_cache, it, block_,
+                                                          offset_, g_));
+        for (int64_t line = 0; line < n * lines_; ++line) __builtin_prefetch(p + 64 * line, 0, 1);  // T2
+        tokens -= n, tok_ += n, offset_ += n;
+        if (offset_ == g_.block_size) offset_ = 0, ++block_;
+      }
+      if (tok_ >= it.end) {  // K done: V; V done: the next item's K, if queued (an empty span: begin >= end)
+        if (stream_ == 0) {
+          begin_stream(1);
+        } else if (++cur_ < pushed_) {
+          begin_stream(0);
+        }
+      }
+    }
+  }
+
+ private:
+  static constexpr int64_t kRing = 4;  // the reader's item and the next one, with room to spare
+  void begin_stream(int s) {
+    stream_ = s, tok_ = ring_[cur_ % kRing].begin;
+    block_ = tok_ / g_.block_size, offset_ = tok_ % g_.block_size;
+  }
+  const Geometry& g_;
+  const int64_t lines_;     // cache lines of one row (one token of one kv head)
+  const int64_t distance_;  // rows ahead of the reader
+  Item<T> ring_[kRing];     // items in push order, ring_[i % kRing]
+  int64_t pushed_ = 0, cur_ = 0;  // items pushed; the one the cursor is in (== pushed_: waits for a push)
+  int stream_ = 0;                // 0: the item's K rows, 1: its V rows
+  int64_t tok_ = 0, block_ = 0, offset_ = 0;  // the cursor's token, its logical block and offset there
+};
 
 // Query heads per pass over the K rows: each K vector feeds GT heads' FMAs from
 // registers. 8 keys x 3 heads of accumulators fill 24 of AVX-512's 32 registers.
@@ -109,24 +166,19 @@ inline void qk_tile(float* logits, int64_t padded, const T* q, const T* const (&
 // operations per key, so 8 lanes beat 16 even where zmm registers exist.
 template <int N, typename T>
 void qk(float* logits,  // [group, padded]
-        int64_t padded, const Item<T>& it, const Geometry& g) {
+        int64_t padded, const Item<T>& it, const Geometry& g, Lookahead<T>& la) {
   constexpr int M = N > 8 ? 8 : N;
   const T* k[M];
   int64_t block = it.begin / g.block_size, offset = it.begin % g.block_size;  // no division per row
-  for (int64_t b = block; b < block + kAhead; ++b) prefetch_block(it.key_cache, it, b, g);
-  prefetch_block(it.value_cache, it, block, g);
   for (int64_t j = it.begin; j < it.end; j += M) {
+    la.advance(M);
     for (int t = 0; t < M; ++t) {
       if (j + t == it.end) {  // the padding lanes repeat the last row
         for (; t < M; ++t) k[t] = k[t - 1];
         break;
       }
       k[t] = row(it.key_cache, it, block, offset, g);
-      if (++offset == g.block_size) {
-        offset = 0, ++block;
-        prefetch_block(it.key_cache, it, block + kAhead - 1, g);
-        prefetch_block(it.value_cache, it, block, g);
-      }
+      if (++offset == g.block_size) offset = 0, ++block;
     }
     for (int64_t h = 0; h < g.group; h += kQkTile) {
       float* l = logits + h * padded + (j - it.begin);
@@ -163,10 +215,11 @@ float softmax_numerators(float* l, int64_t len, int64_t padded, float* sum) {
 
 // acc[h][d0, d0 + S*N) = sum_j p[h][j] * v_j[d0, ...) for GT heads: the V row slice
 // is loaded (and widened) once and feeds GT * S accumulators held in registers.
+// la: the lookahead, advanced as the rows go, on the first pass over them (nullptr on the others).
 template <int N, int GT, int S, typename T>
 void pv_slice(float* acc,       // [GT, head_size]
               const float* p,   // [GT, padded] softmax numerators
-              int64_t padded, int64_t d0, const Item<T>& it, const Geometry& g) {
+              int64_t padded, int64_t d0, const Item<T>& it, const Geometry& g, Lookahead<T>* la) {
   Vec<N> a[GT][S] = {};
   const int64_t B = g.block_size, H = g.head_size;
   for (int64_t j = it.begin, block = j / B, offset = j % B; j < it.end; ++block, offset = 0) {
@@ -175,6 +228,7 @@ void pv_slice(float* acc,       // [GT, head_size]
     const float* pj = p + (j - it.begin);
     j += n;
     for (int64_t r = 0; r < n; ++r, v += H) {
+      if (la && r % 8 == 0) la->advance(8);
       Vec<N> x[S];
       for (int s = 0; s < S; ++s) {
         x[s] = simd::load<N>(v + s * N);
@@ -192,41 +246,45 @@ void pv_slice(float* acc,       // [GT, head_size]
 }
 
 template <int N, int GT, typename T>
-void pv_tile(float* acc, const float* p, int64_t padded, const Item<T>& it, const Geometry& g) {
+void pv_tile(float* acc, const float* p, int64_t padded, const Item<T>& it, const Geometry& g,
+             Lookahead<T>* la) {
   // zmm: 4 vectors per head (16 accumulators for 4 heads); ymm/xmm have 16 registers in all.
   constexpr int S = N == 16 ? 4 : 2;
   int64_t d0 = 0;
-  for (; d0 + S * N <= g.head_size; d0 += S * N) pv_slice<N, GT, S>(acc, p, padded, d0, it, g);
-  for (; d0 < g.head_size; d0 += N) pv_slice<N, GT, 1>(acc, p, padded, d0, it, g);
+  for (; d0 + S * N <= g.head_size; d0 += S * N) pv_slice<N, GT, S>(acc, p, padded, d0, it, g, d0 ? nullptr : la);
+  for (; d0 < g.head_size; d0 += N) pv_slice<N, GT, 1>(acc, p, padded, d0, it, g, d0 ? nullptr : la);
 }
 
 // acc[h][:] = sum_j p[h][j] * v_j for every head of the group, in tiles of up to kMaxTile heads.
 template <int N, typename T>
 void pv(float* acc,      // [group, head_size]
         const float* p,  // [group, padded]
-        int64_t padded, const Item<T>& it, const Geometry& g) {
+        int64_t padded, const Item<T>& it, const Geometry& g, Lookahead<T>& la) {
   for (int64_t h0 = 0; h0 < g.group; h0 += kMaxTile) {
     float* a = acc + h0 * g.head_size;
     const float* ph = p + h0 * padded;
+    Lookahead<T>* l = h0 ? nullptr : &la;
     switch (std::min<int64_t>(kMaxTile, g.group - h0)) {
-      case 1: pv_tile<N, 1>(a, ph, padded, it, g); break;
-      case 2: pv_tile<N, 2>(a, ph, padded, it, g); break;
-      case 3: pv_tile<N, 3>(a, ph, padded, it, g); break;
-      default: pv_tile<N, 4>(a, ph, padded, it, g); break;
+      case 1: pv_tile<N, 1>(a, ph, padded, it, g, l); break;
+      case 2: pv_tile<N, 2>(a, ph, padded, it, g, l); break;
+      case 3: pv_tile<N, 3>(a, ph, padded, it, g, l); break;
+      default: pv_tile<N, 4>(a, ph, padded, it, g, l); break;
     }
   }
 }
 
 // Attention of the item's group over its span: unnormalized acc [group, head_size]
 // plus each head's max logit and sum of exp(l - max). logits: [group, padded] scratch.
+// la: the thread's lookahead, with `it` pushed and reader_at() it.
 template <int N, typename T>
-void attend(float* acc, float* max_logit, float* sum, float* logits, const Item<T>& it, const Geometry& g) {
+void attend(float* acc, float* max_logit, float* sum, float* logits, const Item<T>& it, const Geometry& g,
+            Lookahead<T>& la) {
   const int64_t len = it.end - it.begin, padded = (len + N - 1) / N * N;
-  qk<N>(logits, padded, it, g);
+  qk<N>(logits, padded, it, g, la);
   for (int64_t h = 0; h < g.group; ++h) {
     max_logit[h] = softmax_numerators<N>(logits + h * padded, len, padded, sum + h);
   }
-  pv<N>(acc, logits, padded, it, g);
+  pv<N>(acc, logits, padded, it, g, la);
 }
 
 }  // namespace attn

@@ -37,5 +37,23 @@ void share_items(std::atomic<int64_t>& next, int64_t n, Body&& body) {
   }
 }
 
+// share_items, with each thread taking its next item as it starts one: body(item, index, following) gets the
+// thread's index-th item and the one it does next (-1: none), so it can prefetch that one's data meanwhile.
+template <typename Body>
+void share_items_ahead(std::atomic<int64_t>& next, int64_t n, Body&& body) {
+  const bool caller = omp_get_thread_num() == 0;
+  auto take = [&]() -> int64_t {
+    if (!caller && n - next.load(std::memory_order_relaxed) <= kCallerTail) return -1;
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  int64_t item = take();
+  for (int64_t index = 0; item >= 0; ++index) {
+    const int64_t following = take();
+    body(item, index, following);
+    item = following;
+  }
+}
+
 }  // namespace cpu
 }  // namespace pagedserve
