@@ -3,8 +3,8 @@
 // Numerics follow HF's LlamaRMSNorm: the mean of squares in float32, then
 // float32 x * rsqrt(mean + eps); for bfloat16 that product is rounded to
 // bfloat16 before the weight multiplies it (and the product rounded again).
-// Rows are independent; small batches (every decode step, a short prefill)
-// run on the calling thread (vec::kParallelMinElements).
+// Rows are independent; a few rows (one decode sequence) run on the calling
+// thread (vec::kParallelMinElements).
 #include <cmath>
 #include <type_traits>
 
