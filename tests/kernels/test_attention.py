@@ -139,6 +139,25 @@ def test_one_streams_decode_contexts_split_into_short_spans(dtype, block_size, l
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("kv_heads, group, lens", [
+    (3, 3, [0, 1, 200, 0, 0, 63, 64, 65, 129, 3, 0, 700, 127, 128, 2, 0] * 2),
+    (1, 8, [3000, 5, 0, 1]),
+])
+def test_threads_take_items_ahead(dtype, block_size, kv_heads, group, lens):
+    # On 2 threads each thread takes its next item as it starts one and reads ahead into it (parallel.h
+    # share_items_ahead, attention_item.h Lookahead): every item must still be done once. 32 sequences: lengths
+    # shorter than the lookahead, across block ends, empty ones between long ones. Four sequences: contexts cut
+    # into spans, most past the short sequences' ends (spans that begin after they end).
+    case = make_case(kv_heads, group, 64, block_size, lens, dtype, "cpu", seed=block_size + len(lens))
+    with torch_threads(2):
+        out, ref = run_both(*case)
+    zero = torch.tensor(lens) == 0
+    assert torch.equal(out[zero], torch.zeros_like(out[zero]))
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [16, 20, 40, 80])
 def test_head_sizes_off_the_vector_width(dtype, head_size):
     # 16 and 80 fill whole 16-lane vectors (80: a masked bf16 pair on AVX-512); 20 and 40 take the one-lane path there.
