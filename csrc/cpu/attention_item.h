@@ -48,10 +48,10 @@ inline const T* row(const T* cache, const Item<T>& it, int64_t block, int64_t of
 // blocks scattered in memory: the hardware prefetcher, which follows address streams and stops at page ends,
 // missed the start of each block. Lookahead asks for the rows kLookaheadBytes ahead of the reads, into L2 (T2),
 // as the reads go: a decode step's attention over cold KV (32 sequences of 192 tokens, 30 layers, bfloat16)
-// went from 9.6 to 5.5 ms, ~26 GB/s on a VM that reads ~30 (docs/benchmarks.md, "Attention reads ahead").
-// The prefetch it replaced, each item's whole K (two blocks ahead) and first V block in one burst as the item
-// began, left the core waiting on that burst before it computed: memory and compute took turns.
-// 4 or 16 KiB ahead ran 3-7 % slower; into L1 (T0) 50 % slower, the lines pushed each other out.
+// went from 9.2-10.4 to 5.6-5.7 ms, ~25 GB/s on a VM that reads ~30 (docs/benchmarks.md, "Two changes since the
+// 00:17 round"). The prefetch it replaced, each item's whole K (two blocks ahead) and first V block in one burst
+// as the item began, left the core waiting on that burst before it computed: memory and compute took turns.
+// 4 KiB ahead ran 6 % slower, 16 and 32 KiB the same; into L1 (T0) 50 % slower.
 constexpr int64_t kLookaheadBytes = 8 << 10;
 
 template <typename T>
@@ -99,7 +99,9 @@ class Lookahead {
   }
 
  private:
-  static constexpr int64_t kRing = 4;  // the reader's item and the next one, with room to spare
+  // Items from the cursor's to the newest: at most three (a cursor still in the item before the reader's, until
+  // reader_at moves it, the reader's, the next one).
+  static constexpr int64_t kRing = 4;
   void begin_stream(int s) {
     stream_ = s, tok_ = ring_[cur_ % kRing].begin;
     block_ = tok_ / g_.block_size, offset_ = tok_ % g_.block_size;
