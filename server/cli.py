@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
+from engine.config import BLOCK_SIZES, EngineConfig, PreemptionMode, SchedulingPolicy
 from engine.openmp import apply_serving_default
 from server.tools import PARSERS
 
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--block-size", type=int, default=None, choices=[8, 16, 32, 64, 128],
+    serve.add_argument("--block-size", type=int, default=None, choices=list(BLOCK_SIZES),
                        help="tokens per KV cache block (default: 128 on CPU, 16 on CUDA; CUDA takes 8, 16 or 32)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     serve.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks")
