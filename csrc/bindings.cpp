@@ -173,6 +173,12 @@ void small_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor&
   pagedserve::cpu::small_gemm(out, x, packed, bias, isa);
 }
 
+bool small_gemm_glu(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
+                    const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  cpu_only({&out, &x, &packed}, "small_gemm_glu");
+  return pagedserve::cpu::small_gemm_glu(out, x, packed, bias, isa);
+}
+
 torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::Tensor& positions,
                                   const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& weights,
                                   const std::vector<torch::Tensor>& key_caches,
@@ -230,6 +236,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per row: index of the first largest logit and log(sum(exp(logits))) (writes argmax, logsumexp)");
   m.def("small_gemm", &small_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"),
         py::arg("bias"), py::arg("isa") = 0, "out = x @ W^T (+ bias) for a few rows over a small-row packed W");
+  m.def("small_gemm_glu", &small_gemm_glu, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"),
+        py::arg("bias"), py::arg("isa") = 0,
+        "out = silu(gate) * up of x @ W^T (+ bias) = [gate | up], fused; false when this path has no fused tiles");
   m.def("llama_decode_layers", &llama_decode_layers, release_gil(),
         "every decoder layer of a Llama-family CPU step in one call (the kernels above, in the eager order)");
   m.def("decode_layer_slots", &pagedserve::cpu::decode_layer_slots, "tensors per layer in llama_decode_layers");

@@ -110,19 +110,31 @@ void argmax_logsumexp(
 
 // out = x @ W^T (+ bias) for a few rows, W packed by engine/cpu_linear.py's pack_small_rows.
 void small_gemm(
-    at::Tensor& out,                           // [M, N] float32 or bfloat16, rows contiguous
+    at::Tensor& out,                           // [M, N] x's dtype, rows contiguous; float32 for a bfloat16 x holds
+                                               // the bfloat16 result widened (F.linear(...).float())
     const at::Tensor& x,                       // [M, K] same dtype, rows contiguous
     const at::Tensor& packed,                  // [blocks * 16 * K'] same dtype (1-D)
     const c10::optional<at::Tensor>& bias,     // [N] or None
     int64_t isa);                              // 0: the best this build has; 2 AVX2, 3 AVX-512F, 4 AVX-512 BF16
+
+// A gated MLP's first linear and its activation in one pass: out = silu(gate) * up where [gate | up] = x @ W^T
+// (+ bias), bit for bit small_gemm into a [M, 2N] buffer then silu_and_mul, without the buffer. Returns false,
+// writing nothing, where the path has no fused tiles (AVX2) or N is not a multiple of 16: the caller runs the two.
+bool small_gemm_glu(
+    at::Tensor& out,                           // [M, N] float32 or bfloat16, rows contiguous
+    const at::Tensor& x,                       // [M, K] same dtype, rows contiguous
+    const at::Tensor& packed,                  // pack_small_rows(W [2N, K]): gate rows, then up rows
+    const c10::optional<at::Tensor>& bias,     // [2N] or None
+    int64_t isa);                              // as small_gemm's
 
 // The best small_gemm path this build has (the isa codes above), 0 when none.
 int64_t small_gemm_isa();
 
 // ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
-// Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, exactly as
-// engine/models/llama.py's eager layers call them, and returns the residual stream after the last layer (before
+// Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, as
+// engine/models/llama.py's eager layers call them (gate_up and silu_and_mul fused into small_gemm_glu where it
+// serves, the same bits), and returns the residual stream after the last layer (before
 // the final norm): [T, hidden]. The tokens are laid out as the eager step's: the prefill spans first (each a
 // (start, end, context_len) triple in `prefill_spans`; its table in `prefill_tables`, empty when the span has no
 // cached prefix and attends over its own rows), then one decode token per sequence. Each layer's

@@ -243,8 +243,8 @@ def small_gemm_isa() -> int:
     return 0 if module is None else int(module.small_gemm_isa())
 
 
-def small_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
-               x: torch.Tensor,  # [rows, K] same dtype, rows contiguous
+def small_gemm(out: torch.Tensor,  # [rows, N] x's dtype, or float32 for a bfloat16 x (the result widened)
+               x: torch.Tensor,  # [rows, K] float32 or bfloat16, rows contiguous
                packed: torch.Tensor,  # engine/cpu_linear.py pack_small_rows(W [N, K])
                bias: Optional[torch.Tensor] = None,  # [N]
                isa: int = SMALL_GEMM_AUTO) -> torch.Tensor:
@@ -252,6 +252,16 @@ def small_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
     compiled only (small_gemm_isa() > 0); `isa` forces a path the build has (tests)."""
     _load().small_gemm(out, x, packed, bias, isa)
     return out
+
+
+def small_gemm_glu(out: torch.Tensor,  # [rows, N] float32 or bfloat16
+                   x: torch.Tensor,  # [rows, K] same dtype, rows contiguous
+                   packed: torch.Tensor,  # pack_small_rows(W [2N, K]): a gated MLP's gate rows, then its up rows
+                   bias: Optional[torch.Tensor] = None,  # [2N]
+                   isa: int = SMALL_GEMM_AUTO) -> bool:
+    """out = silu(gate) * up where [gate | up] = x @ W^T (+ bias): small_gemm then silu_and_mul in one pass over the
+    weights, the same bits. False (out untouched) where the path has no fused tiles (AVX2) or N % 16 != 0."""
+    return bool(_load().small_gemm_glu(out, x, packed, bias, isa))
 
 
 def decode_layer_slots() -> int:

@@ -17,10 +17,7 @@ namespace {
 
 template <int N, typename T>
 inline simd::Vec<N> silu_times_up(const T* gate, const T* up) {
-  const simd::Vec<N> g = simd::load<N>(gate);
-  simd::Vec<N> act = g / (1.0f + simd::exp<N>(-g));
-  if constexpr (std::is_same_v<T, c10::BFloat16>) act = simd::round_bf16<N>(act);
-  return act * simd::load<N>(up);
+  return simd::silu_mul<N, std::is_same_v<T, c10::BFloat16>>(simd::load<N>(gate), simd::load<N>(up));
 }
 
 template <typename T>

@@ -4,6 +4,8 @@
 // cost ~150 us a layer, ~4.5 ms a step of SmolLM2's 30 layers, next to ~14 ms of weight reading in a decode step
 // (docs/benchmarks.md, "Compiled decode step"). Here the same kernels are called directly, in the same order on
 // the same buffers, so the result is bit-identical to the eager path's; only the calls between them are gone.
+// One difference in the calls, not in the bits: the MLP's gate/up linear and its activation run as one fused
+// kernel (small_gemm_glu, whose epilogue computes silu_and_mul's arithmetic) where the CPU path has one.
 // Every linear is a small-row GEMM over its pack_small_rows weight. A step may hold prefill spans (prompts, or
 // chunks of them) before its decode tokens, as the eager step does.
 #include <algorithm>
@@ -128,8 +130,11 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     for (int64_t r = 0; r < t; r += mlp_rows) {  // x's rows r.. are read by gate_up before down overwrites them
       const int64_t n = std::min(mlp_rows, t - r);
       at::Tensor x_rows = x.narrow(0, r, n), gate_up_rows = gate_up.narrow(0, 0, n), act_rows = act.narrow(0, 0, n);
-      small_gemm(gate_up_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0);
-      silu_and_mul(act_rows, gate_up_rows);
+      // gate_up and its activation in one pass where the path has fused tiles (the same bits as the two calls)
+      if (!small_gemm_glu(act_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0)) {
+        small_gemm(gate_up_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0);
+        silu_and_mul(act_rows, gate_up_rows);
+      }
       small_gemm(x_rows, act_rows, w[kDown], bias_of(w[kDownBias]), 0);
     }
   }

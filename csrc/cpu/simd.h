@@ -190,6 +190,16 @@ inline Vec<N> exp(Vec<N> x) {
   return p * bit_cast_f32<N>(e);
 }
 
+// silu(g) * u = g / (1 + exp(-g)) * u, lane by lane (a gated MLP's activation). With kRoundSilu, silu's result is
+// rounded to bfloat16 before the multiply, as torch's F.silu(gate) * up does on bfloat16 tensors. One definition for
+// csrc/cpu/activation.cpp and the fused epilogue of csrc/cpu/small_gemm.cpp, so the two give the same bits.
+template <int N, bool kRoundSilu>
+inline Vec<N> silu_mul(Vec<N> g, Vec<N> u) {
+  Vec<N> act = g / (1.0f + exp<N>(-g));
+  if constexpr (kRoundSilu) act = round_bf16<N>(act);
+  return act * u;
+}
+
 // out[i] = sum of the lanes of a[i]: N horizontal sums in one transpose-and-add
 // tree (about 3 instructions per sum instead of 2 * log2(N) each).
 template <int N>

@@ -7,7 +7,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from engine import ops
+from engine import cpu_linear, ops
 from engine.attention import Attention, AttentionMetadata, KVCache
 from engine.distributed import TPGroup
 from engine.models.compiled_decode import CompiledDecode
@@ -286,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """[num_rows, hidden] -> [num_rows, vocab] float32 on rank 0 (the ranks' vocab slices gathered); None on
         the other ranks, which only take part."""
-        return self.tp.gather_cols(self.lm_head(self.norm(hidden)).float())
+        return self.tp.gather_cols(cpu_linear.forward_float32(self.lm_head, self.norm(hidden)))
 
     # ---- weights (engine/models/llama_weights.py) ---------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

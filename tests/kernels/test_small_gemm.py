@@ -127,3 +127,86 @@ def test_packed_linear_uses_the_small_row_kernel_up_to_small_rows(dtype, monkeyp
         assert calls == [1, 4, SMALL_ROWS, SMALL_ROWS + 1, 40]
     else:
         assert calls == [1, 4, SMALL_ROWS]  # more rows go to oneDNN
+
+
+def _glu_reference(x, packed, bias, n, isa):
+    """small_gemm into [gate | up], then silu_and_mul: the two calls small_gemm_glu fuses."""
+    gate_up = ops.small_gemm(torch.empty(x.shape[0], 2 * n, dtype=x.dtype), x, packed, bias, isa)
+    return ops.silu_and_mul(torch.empty(x.shape[0], n, dtype=x.dtype), gate_up)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(32, 64), (48, 33), (1536, 576)])  # (N, K): odd K, SmolLM2's MLP
+def test_small_gemm_glu_equals_gemm_then_silu_and_mul_bit_for_bit(isa, dtype, shape):
+    """The fused gate/up tiles give the same bits as the two kernels they replace (csrc/cpu/decode_layers.cpp
+    relies on it: the compiled step equals the eager one), on one and two threads; a path without fused tiles
+    (AVX2) says so and leaves the output untouched."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(2 * n, k, generator=gen).to(dtype) / k ** 0.5  # gate rows, then up rows
+    bias = torch.randn(2 * n, generator=gen).to(dtype)
+    packed = pack_small_rows(weight)
+    for rows in (1, 3, 4, 5, 8, 13, 17, 40, 130):  # one-pass tiles, tall tiles (partial too), two row chunks
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        for b in (None, bias):
+            want = _glu_reference(x, packed, b, n, isa)
+            for threads in (1, 2):
+                got = torch.full((rows, n), float("nan"), dtype=dtype)
+                with torch_threads(threads), ops.thread_omp_threads(threads):
+                    fused = ops.small_gemm_glu(got, x, packed, b, isa)
+                assert fused == (isa >= ops.SMALL_GEMM_AVX512)
+                if fused:
+                    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+                else:
+                    assert got.isnan().all()
+
+
+def test_small_gemm_glu_declines_a_split_block_and_refuses_bad_shapes():
+    packed = pack_small_rows(torch.randn(2 * 40, 16))  # N = 40: gate and up meet inside a 16-column block
+    out = torch.full((3, 40), float("nan"))
+    assert ops.small_gemm_glu(out, torch.randn(3, 16), packed) is False
+    assert out.isnan().all()
+    with pytest.raises(RuntimeError, match="packed weight has"):  # a weight of N columns, not 2N
+        ops.small_gemm_glu(torch.empty(3, 80), torch.randn(3, 16), packed)
+    with pytest.raises(RuntimeError, match="bias has"):
+        ops.small_gemm_glu(torch.empty(3, 40), torch.randn(3, 16), packed, torch.randn(40))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", [(64, 32), (37, 33), (1000, 64)])
+def test_small_gemm_writes_a_bfloat16_result_widened_to_float32(isa, shape):
+    """A float32 out of a bfloat16 GEMM (the head's logits) holds exactly the bfloat16 result, widened: the
+    values of a bfloat16 out followed by .float(), NaN where that has NaN."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    packed = pack_small_rows(weight)
+    for rows in (1, 4, 5, 17, 40):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        x[-1, 0] = float("nan")
+        for b in (None, bias):
+            want = ops.small_gemm(torch.empty(rows, n, dtype=torch.bfloat16), x, packed, b, isa).float()
+            got = ops.small_gemm(torch.empty(rows, n), x, packed, b, isa)
+            assert torch.equal(got.isnan(), want.isnan()) and got[-1].isnan().all()
+            assert torch.equal(got[:-1], want[:-1])
+    with pytest.raises(RuntimeError, match="share one dtype"):  # the other way round is no widening
+        ops.small_gemm(torch.empty(2, n, dtype=torch.bfloat16), torch.randn(2, k), pack_small_rows(weight.float()))
+
+
+@pytest.mark.skipif(not small_rows_available(), reason="PAGEDSERVE_SMALL_ROW_LINEAR=0")
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d in packed_dtypes()])
+def test_forward_float32_equals_linear_then_float(dtype):
+    """cpu_linear.forward_float32 (the head's logits) gives linear(x).float() at every row count, from the kernel
+    directly where it serves bfloat16 rows."""
+    from engine.cpu_linear import forward_float32
+
+    gen = torch.Generator().manual_seed(9)
+    layer = nn.Linear(96, 200, bias=False, dtype=dtype)
+    pack_linears(nn.Sequential(layer))
+    for rows in (1, 7, SMALL_ROWS + 1, 40):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        got = forward_float32(layer, x)
+        assert got.dtype == torch.float32 and torch.equal(got, layer(x).float())

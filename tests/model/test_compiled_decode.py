@@ -1,7 +1,8 @@
 """The compiled step (csrc/cpu/decode_layers.cpp) against the eager layers: the same tokens and bit-identical
 logprobs on every Llama-family variant the model serves (GQA, Qwen2's qkv bias, Llama's attention and MLP biases,
 Mistral's sliding window), in float32 and bfloat16, for decode steps, prefills (with and without a cached prefix)
-and chunked prefill's mixed steps; and the eager path taken wherever the compiled one does not serve."""
+and chunked prefill's mixed steps, with the MLP's gate/up linear and activation fused or (a width off the 16-column
+blocks) not; and the eager path taken wherever the compiled one does not serve."""
 from __future__ import annotations
 
 import random
@@ -103,6 +104,17 @@ def test_prefill_over_a_cached_prefix_equals_eager_bit_for_bit(model_dir):
     _assert_bit_identical(runs[False], runs[True])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_mlp_width_off_the_16_column_blocks_equals_eager_bit_for_bit(tmp_path, default_model_dir, dtype):
+    """An intermediate size that is not a multiple of 16: gate and up columns meet inside a packed block, so the
+    compiled step runs gate_up and the activation as two kernels instead of the fused tiles (small_gemm_glu
+    declines); still equal to eager. (TINY's 128 runs the fused tiles on an AVX-512 CPU.)"""
+    folder = save_random_model(LlamaConfig(**{**TINY, "intermediate_size": 120}), tmp_path, default_model_dir, seed=4)
+    compiled, plan, _ = _run(folder, dtype, enforce_eager=False)
+    eager, _, _ = _run(folder, dtype, enforce_eager=True)
+    assert plan is not None and plan.steps_run >= 19
+    _assert_bit_identical(compiled, eager)
+
 
 def test_linears_left_to_onednn_run_eagerly(model_dir, monkeypatch):
     """PAGEDSERVE_SMALL_ROW_LINEAR=0 packs the linears for oneDNN only: no plan, every step eager, same tokens."""
@@ -111,6 +123,7 @@ def test_linears_left_to_onednn_run_eagerly(model_dir, monkeypatch):
     outputs, plan, _ = _run(model_dir, "float32", enforce_eager=False)
     assert plan is None
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+
 
 def test_a_prefill_longer_than_the_mlps_row_pass_equals_eager_bit_for_bit(model_dir):
     """A 600-token prefill step: the compiled MLP runs it 512 rows at a time (decode_layers.cpp's kMlpRows)."""
