@@ -563,7 +563,8 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
   const int64_t out_blocks = glu ? n / kBlock : blocks, up_offset = glu ? out_blocks * w_block : 0;
   const bool out_f32 = out.scalar_type() == at::kFloat;
   TileOut o{out_f32 ? out.data_ptr<float>() : nullptr, out_f32 ? nullptr : out.data_ptr<c10::BFloat16>(), widen,
-            out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n, bf16 ? up_offset / 2 : up_offset};
+            out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n,
+            bf16 ? up_offset / 2 : up_offset};  // in the tiles' units: uint32 pairs for bfloat16
 
 #if defined(__AVX512BF16__)
   if (bf16 && use == kAvx512Bf16) {
