@@ -505,6 +505,23 @@ void run_path(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& w
   }
 }
 
+// One ISA path's tiles: R1 x B1 up to kSmallRows rows and R2 x B2 above; a gated MLP's fused tiles (glu) hold G1 or
+// G2 gate/up block pairs instead (0: the path has none, and glu is never asked of it).
+template <typename Tile, int R1, int B1, int R2, int B2, int G1, int G2, typename X, typename W>
+void run_tiles(bool glu, const X* x, int64_t xs, const W* w, int64_t w_block, int64_t depth, const TileOut& o,
+               int64_t m, int64_t blocks) {
+  if constexpr (G1 > 0 && G2 > 0) {
+    if (glu) {
+      static constexpr auto small = kernels_of<Tile, X, W, R1, G1, true>();
+      static constexpr auto wide = kernels_of<Tile, X, W, R2, G2, true>();
+      return run_path(small, wide, x, xs, w, w_block, depth, o, m, blocks);
+    }
+  }
+  static constexpr auto small = kernels_of<Tile, X, W, R1, B1>();
+  static constexpr auto wide = kernels_of<Tile, X, W, R2, B2>();
+  run_path(small, wide, x, xs, w, w_block, depth, o, m, blocks);
+}
+
 // bfloat16 x rows widened to float32 (the paths without vdpbf16ps), K padded to `width` with zeros.
 std::vector<float> widened(const at::Tensor& x, int64_t width) {
   const int64_t m = x.size(0), k = x.size(1);
@@ -582,16 +599,8 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
       xp = reinterpret_cast<const uint32_t*>(copy.data());
       xs = depth;
     }
-    if (glu) {
-      static constexpr auto small = kernels_of<Bf16Dp, uint32_t, uint32_t, 4, 2, true>();
-      // 8 rows of a gate and an up block (16 accumulators): 6 rows of two pairs ran 1.5-5 % slower at 8 to 128 rows
-      static constexpr auto wide = kernels_of<Bf16Dp, uint32_t, uint32_t, 8, 1, true>();
-      run_path(small, wide, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
-    } else {
-      static constexpr auto small = kernels_of<Bf16Dp, uint32_t, uint32_t, 4, 4>();
-      static constexpr auto wide = kernels_of<Bf16Dp, uint32_t, uint32_t, 8, 3>();
-      run_path(small, wide, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
-    }
+    // Fused: 8 rows of a gate and an up block (16 accumulators); 6 rows of two pairs ran 1.5-5 % slower at 8 to 128.
+    run_tiles<Bf16Dp, 4, 4, 8, 3, 2, 1>(glu, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
     return true;
   }
 #endif
@@ -605,41 +614,21 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
   if (use >= kAvx512) {
     if (bf16) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-      if (glu) {
-        static constexpr auto tiles = kernels_of<Bf16Avx512, float, uint32_t, 4, 1, true>();
-        static constexpr auto wide = kernels_of<Bf16Avx512, float, uint32_t, 8, 1, true>();
-        run_path(tiles, wide, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
-      } else {
-        static constexpr auto small = kernels_of<Bf16Avx512, float, uint32_t, 4, 2>();
-        static constexpr auto wide = kernels_of<Bf16Avx512, float, uint32_t, 8, 2>();
-        run_path(small, wide, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
-      }
+      run_tiles<Bf16Avx512, 4, 2, 8, 2, 1, 1>(glu, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
     } else {
-      const float* w = packed.data_ptr<float>();
-      if (glu) {
-        static constexpr auto small = kernels_of<F32Avx512, float, float, 4, 2, true>();
-        static constexpr auto wide = kernels_of<F32Avx512, float, float, 8, 1, true>();
-        run_path(small, wide, xp, xs, w, w_block, depth, o, m, out_blocks);
-      } else {
-        static constexpr auto small = kernels_of<F32Avx512, float, float, 4, 4>();
-        static constexpr auto wide = kernels_of<F32Avx512, float, float, 8, 3>();
-        run_path(small, wide, xp, xs, w, w_block, depth, o, m, out_blocks);
-      }
+      run_tiles<F32Avx512, 4, 4, 8, 3, 2, 1>(glu, xp, xs, packed.data_ptr<float>(), w_block, depth, o, m, out_blocks);
     }
     return true;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
+  // No fused tiles (glu declined above). bfloat16: 16 ymm hold one block (two ymm halves) of at most 4 rows (8
+  // accumulators, 4 widened pairs, 2 broadcasts); float32: 6-row tiles above (12 accumulators, 2 weights, 1 x).
   if (bf16) {
-    // 16 ymm: one block (two ymm halves) and at most 4 rows (8 accumulators, 4 widened pairs, 2 broadcasts).
-    static constexpr auto tiles = kernels_of<Bf16Avx2, float, uint32_t, 4, 1>();
     const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-    run_path(tiles, tiles, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
+    run_tiles<Bf16Avx2, 4, 1, 4, 1, 0, 0>(false, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
   } else {
-    static constexpr auto small = kernels_of<F32Avx2, float, float, 4, 1>();
-    static constexpr auto wide = kernels_of<F32Avx2, float, float, 6, 1>();  // 12 accumulators, 2 weights, 1 x
-    const float* w = packed.data_ptr<float>();
-    run_path(small, wide, xp, xs, w, w_block, depth, o, m, out_blocks);
+    run_tiles<F32Avx2, 4, 1, 6, 1, 0, 0>(false, xp, xs, packed.data_ptr<float>(), w_block, depth, o, m, out_blocks);
   }
   return true;
 #endif
