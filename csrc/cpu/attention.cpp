@@ -125,9 +125,15 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
     sc.acc.resize(g.group * H);
     sc.max_logit.resize(g.group);
     sc.sum.resize(g.group);
+    struct Where {
+      int64_t seq, kv_head, span;
+    };
+    auto where = [&](int64_t item) {
+      return Where{item / (g.num_kv_heads * plan.num_spans), item / plan.num_spans % g.num_kv_heads,
+                   item % plan.num_spans};
+    };
     auto item_of = [&](int64_t item) {
-      const int64_t seq = item / (g.num_kv_heads * plan.num_spans);
-      const int64_t kv_head = item / plan.num_spans % g.num_kv_heads, span = item % plan.num_spans;
+      const auto [seq, kv_head, span] = where(item);
       return Item<T>{q_ptr + seq * g.q_stride_seq + kv_head * g.group * g.q_stride_head, k_ptr, v_ptr,
                      tables + seq * max_blocks, kv_head, begins[seq] + span * plan.span,
                      std::min<int64_t>(lens[seq], begins[seq] + (span + 1) * plan.span)};
@@ -138,8 +144,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
       if (index == 0) la.push(it);
       if (following >= 0) la.push(item_of(following));
       la.reader_at(index);
-      const int64_t seq = item / (g.num_kv_heads * plan.num_spans);
-      const int64_t kv_head = item / plan.num_spans % g.num_kv_heads, span = item % plan.num_spans;
+      const auto [seq, kv_head, span] = where(item);
       std::fill(sc.sum.begin(), sc.sum.end(), 0.f);
       if (it.end > it.begin) {
         attn::attend<N>(sc.acc.data(), sc.max_logit.data(), sc.sum.data(), sc.logits.data(), it, g, la);

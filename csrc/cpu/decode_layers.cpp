@@ -80,7 +80,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
   // The MLP runs kMlpRows rows at a time (its rows are independent): a 4096-token prefill step's gate_up and
   // activation buffers would otherwise be 75 MiB in float32, on top of the KV cache at a server's peak memory.
   const int64_t mlp_rows = std::min(t, kMlpRows);
-  at::Tensor gate_up = at::empty({mlp_rows, 2 * intermediate_size}, opts);
+  at::Tensor gate_up;  // [mlp_rows, 2 * intermediate_size], made only where small_gemm_glu declines
   at::Tensor act = at::empty({mlp_rows, intermediate_size}, opts);
   // Strided views of qkv, as the eager model takes them.
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_size});
@@ -129,9 +129,11 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     fused_add_rms_norm(x, residual, w[kPostNorm], eps);
     for (int64_t r = 0; r < t; r += mlp_rows) {  // x's rows r.. are read by gate_up before down overwrites them
       const int64_t n = std::min(mlp_rows, t - r);
-      at::Tensor x_rows = x.narrow(0, r, n), gate_up_rows = gate_up.narrow(0, 0, n), act_rows = act.narrow(0, 0, n);
+      at::Tensor x_rows = x.narrow(0, r, n), act_rows = act.narrow(0, 0, n);
       // gate_up and its activation in one pass where the path has fused tiles (the same bits as the two calls)
       if (!small_gemm_glu(act_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0)) {
+        if (!gate_up.defined()) gate_up = at::empty({mlp_rows, 2 * intermediate_size}, opts);
+        at::Tensor gate_up_rows = gate_up.narrow(0, 0, n);
         small_gemm(gate_up_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0);
         silu_and_mul(act_rows, gate_up_rows);
       }
