@@ -1,6 +1,7 @@
 """LLMEngine: one step = schedule -> cache moves -> forward -> sample -> outputs."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -32,7 +33,8 @@ class LLMEngine:
     """The synchronous engine: add requests, call step() until they finish."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        # The engine resolves its own copy (block size, max_model_len, ...): the caller's config may build others.
+        self.config = config = dataclasses.replace(config)
         # Build/load the kernels before the weights: a CUDA engine without its compiled kernels refuses to
         # start (ops_loader.require_backend), and loading imports torch.utils.cpp_extension (setuptools,
         # ~0.3 s holding the GIL), which in the first step would stall a server's event loop.

@@ -19,6 +19,7 @@ supervisor to restart it (docs/deployment.md). A rank whose driver dies exits at
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -179,8 +180,9 @@ def run_worker(config: EngineConfig, rank: int, world: int, addr: str, port: int
     from engine.loader import resolve_device
     from engine.worker import RankState
 
+    config = dataclasses.replace(config)  # resolved below and in RankState.build: this rank's own copy
     device = resolve_device(config)
-    config.resolve_block_size(device.type)  # as LLMEngine does on rank 0 (a torchrun rank builds its own config)
+    config.resolve_block_size(device.type)  # as LLMEngine does on rank 0
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads_per_rank(world))
     ops.require_backend(device)

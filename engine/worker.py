@@ -28,6 +28,7 @@ class RankState:
 
     @classmethod
     def build(cls, config: EngineConfig, tp: TPGroup) -> "RankState":
+        """Resolves `config` in place (max_model_len, the batch budget): pass the engine's or rank's own copy."""
         loaded = load_model(config, tp=tp)
         hf_config = loaded.hf_config
         _, kv_heads, head_size = kv_shape(hf_config, tp.world_size)

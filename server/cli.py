@@ -124,7 +124,7 @@ def serve(args: argparse.Namespace) -> int:
                      shutdown_timeout_s=cut_after_s, chat_template=chat_template,
                      tool_call_parser=args.tool_call_parser)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
-                config.max_model_len)
+                engine.config.max_model_len)
     # uvicorn owns SIGINT/SIGTERM while serving: it stops accepting, gives in-flight requests the timeout,
     # then runs the lifespan shutdown, which aborts what is left and stops the engine loop. Afterwards it
     # re-raises the signal to the handler it found; a no-op one lets a clean shutdown exit 0.

@@ -2,6 +2,7 @@
 state and the garbage collector as they were; --seed reaches sampling through the engine's own generator."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -40,3 +41,18 @@ def test_an_engine_leaves_process_state_alone_and_seeds_its_own_sampling(tiny_ll
     torch.rand(100)  # whatever else the process draws does not change what the engine samples
     b = LLM(**kwargs).generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_an_engine_resolves_its_own_copy_of_the_config(tiny_llama_dir):
+    # The fields the device and the model decide stay unset in the caller's config: a second engine from it (on
+    # another device, say, where a CPU block size of 128 is refused) resolves them afresh.
+    from engine import LLMEngine
+    from engine.config import CPU_BLOCK_SIZE, EngineConfig
+
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks_override=32, num_cpu_blocks_override=0)
+    before = dataclasses.replace(config)
+    first = LLMEngine(config)
+    assert config == before and config.block_size is None and config.max_model_len is None
+    assert first.config.block_size == CPU_BLOCK_SIZE and first.config.max_model_len is not None
+    second = LLMEngine(config)
+    assert config == before and second.config == first.config and second.config is not first.config
