@@ -60,16 +60,20 @@ class LLM:
             raise ValueError("priority must be one int or one per prompt")
 
         order: dict[str, int] = {}
-        for i in range(num):
-            request_id = str(next(self._request_counter))
-            order[request_id] = i
-            self.engine.add_request(
-                request_id,
-                prompt=prompts[i] if prompts is not None else None,
-                prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
-                params=params_list[i],
-                priority=priorities[i],
-            )
+        try:
+            for i in range(num):
+                request_id = str(next(self._request_counter))
+                order[request_id] = i
+                self.engine.add_request(
+                    request_id,
+                    prompt=prompts[i] if prompts is not None else None,
+                    prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
+                    params=params_list[i],
+                    priority=priorities[i],
+                )
+        except BaseException:  # a bad prompt i: the batch is refused whole, prompts 0..i-1 leave the queue (vLLM's)
+            self.engine.abort_request(list(order))
+            raise
         return self._run(order, use_tqdm)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:

@@ -69,6 +69,18 @@ def test_too_long_prompt_ends_with_an_error_and_max_model_len_caps(make_llm, pro
     assert fine.error is None and len(fine.outputs[0].token_ids) == MAX_TOKENS
 
 
+def test_a_bad_prompt_refuses_the_whole_batch_and_queues_nothing(make_llm, prompt_ids):
+    llm = make_llm("tiny")
+    bad = [llm.engine.vocab_size]  # out of vocabulary: the third prompt is refused
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate(prompt_token_ids=[prompt_ids[1], prompt_ids[2], bad], sampling_params=greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests(), "the prompts before the bad one stayed queued"
+    before = llm.engine.get_stats().prompt_tokens_total
+    (out,) = llm.generate(prompt_token_ids=[prompt_ids[3]], sampling_params=greedy(), use_tqdm=False)
+    assert out.error is None and out.prompt_token_ids == prompt_ids[3]
+    assert llm.engine.get_stats().prompt_tokens_total - before == len(prompt_ids[3]), "it ran the refused batch too"
+
+
 def test_prompt_logprobs_for_echo(make_llm, hf_smol, prompt_ids):
     prompt = prompt_ids[2]
     out = make_llm("smol").generate(prompt_token_ids=[prompt], sampling_params=greedy(max_tokens=1, prompt_logprobs=3),
