@@ -179,6 +179,12 @@ bool small_gemm_glu(torch::Tensor& out, const torch::Tensor& x, const torch::Ten
   return pagedserve::cpu::small_gemm_glu(out, x, packed, bias, isa);
 }
 
+void q8_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
+             const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  cpu_only({&out, &x, &packed}, "q8_gemm");
+  pagedserve::cpu::q8_gemm(out, x, packed, bias, isa);
+}
+
 torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::Tensor& positions,
                                   const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& weights,
                                   const std::vector<torch::Tensor>& key_caches,
@@ -243,6 +249,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "every decoder layer of a Llama-family CPU step in one call (the kernels above, in the eager order)");
   m.def("decode_layer_slots", &pagedserve::cpu::decode_layer_slots, "tensors per layer in llama_decode_layers");
   m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
+  m.def("q8_gemm", &q8_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"),
+        py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/quant.py");
+  m.def("q8_gemm_isa", &pagedserve::cpu::q8_gemm_isa, "the best q8_gemm path on this CPU and build (0: none)");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");

@@ -130,6 +130,20 @@ bool small_gemm_glu(
 // The best small_gemm path this build has (the isa codes above), 0 when none.
 int64_t small_gemm_isa();
 
+// ---- int8 (Q8_0) linear (CPU only; csrc/cpu/q8_gemm.cpp has the packed layout, engine/quant.py packs it).
+
+// out = x @ W^T (+ bias) for any row count, W as llama.cpp's Q8_0 blocks packed by engine/quant.py's pack_q8.
+void q8_gemm(
+    at::Tensor& out,                           // [M, N] float32 or bfloat16, rows contiguous
+    const at::Tensor& x,                       // [M, K] float32 or bfloat16, rows contiguous
+    const at::Tensor& packed,                  // uint8, engine/quant.py q8_numel(N, K) bytes (1-D)
+    const c10::optional<at::Tensor>& bias,     // [N] or None
+    int64_t isa);                              // 0: the best this CPU and build have; 2 AVX2 (x in float32),
+                                               // 5 AVX-512 VNNI (x quantized per 32-block)
+
+// The best q8_gemm path (the isa codes above), 0 when none.
+int64_t q8_gemm_isa();
+
 // ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
 // Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, as

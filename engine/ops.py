@@ -264,6 +264,27 @@ def small_gemm_glu(out: torch.Tensor,  # [rows, N] float32 or bfloat16
     return bool(_load().small_gemm_glu(out, x, packed, bias, isa))
 
 
+# q8_gemm's ISA paths (csrc/cpu/q8_gemm.cpp): AVX2 widens the int8 weights to float32, VNNI multiplies in int8.
+Q8_GEMM_AUTO, Q8_GEMM_AVX2, Q8_GEMM_VNNI = 0, 2, 5
+
+
+def q8_gemm_isa() -> int:
+    """The best int8 (Q8_0) GEMM path of the compiled CPU kernels on this CPU (Q8_GEMM_*), 0 when there is none."""
+    module = _load()
+    return 0 if module is None or not hasattr(module, "q8_gemm_isa") else int(module.q8_gemm_isa())
+
+
+def q8_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
+            x: torch.Tensor,  # [rows, K] float32 or bfloat16, rows contiguous
+            packed: torch.Tensor,  # engine/quant.py pack_q8(Q8_0 blocks of W [N, K]), uint8
+            bias: Optional[torch.Tensor] = None,  # [N]
+            isa: int = Q8_GEMM_AUTO) -> torch.Tensor:
+    """out = x @ W^T (+ bias) over int8 weights in llama.cpp's Q8_0 blocks, any row count. CPU, compiled only
+    (q8_gemm_isa() > 0); `isa` forces a path this CPU has (tests)."""
+    _load().q8_gemm(out, x, packed, bias, isa)
+    return out
+
+
 def decode_layer_slots() -> int:
     """Tensors per layer in llama_decode_layers' weights (the compiled module's count)."""
     return int(_load().decode_layer_slots())

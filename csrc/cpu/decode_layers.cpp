@@ -6,8 +6,9 @@
 // the same buffers, so the result is bit-identical to the eager path's; only the calls between them are gone.
 // One difference in the calls, not in the bits: the MLP's gate/up linear and its activation run as one fused
 // kernel (small_gemm_glu, whose epilogue computes silu_and_mul's arithmetic) where the CPU path has one.
-// Every linear is a small-row GEMM over its pack_small_rows weight. A step may hold prefill spans (prompts, or
-// chunks of them) before its decode tokens, as the eager step does.
+// Every linear is a small-row GEMM over its pack_small_rows weight, or an int8 one over Q8_0 weights (q8_gemm,
+// engine/quant.py). A step may hold prefill spans (prompts, or chunks of them) before its decode tokens, as the
+// eager step does.
 #include <algorithm>
 
 #include <c10/util/Exception.h>
@@ -31,6 +32,15 @@ constexpr int64_t kMlpRows = 512;
 
 c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
   return b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
+}
+
+// A linear over its packed weight: int8 (engine/quant.py's uint8 Q8_0 form) or small_gemm's float32 / bfloat16.
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  if (w.scalar_type() == at::kByte) {
+    q8_gemm(out, x, w, bias_of(bias), 0);
+  } else {
+    small_gemm(out, x, w, bias_of(bias), 0);
+  }
 }
 
 }  // namespace
@@ -109,7 +119,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     } else {  // x holds the previous layer's MLP output
       fused_add_rms_norm(x, residual, w[kInputNorm], eps);
     }
-    small_gemm(qkv, x, w[kQkv], bias_of(w[kQkvBias]), 0);
+    linear(qkv, x, w[kQkv], w[kQkvBias]);
     rotary_embedding(positions, qk, cos_sin);
     at::Tensor key_cache = key_caches[l], value_cache = value_caches[l];
     reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);
@@ -125,19 +135,20 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     if (decodes) {
       paged_attention(decode_out, decode_q, key_cache, value_cache, block_tables, context_lens, scale, windows[l]);
     }
-    small_gemm(x, attn_rows, w[kO], bias_of(w[kOBias]), 0);
+    linear(x, attn_rows, w[kO], w[kOBias]);
     fused_add_rms_norm(x, residual, w[kPostNorm], eps);
     for (int64_t r = 0; r < t; r += mlp_rows) {  // x's rows r.. are read by gate_up before down overwrites them
       const int64_t n = std::min(mlp_rows, t - r);
       at::Tensor x_rows = x.narrow(0, r, n), act_rows = act.narrow(0, 0, n);
       // gate_up and its activation in one pass where the path has fused tiles (the same bits as the two calls)
-      if (!small_gemm_glu(act_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0)) {
+      if (w[kGateUp].scalar_type() == at::kByte ||  // int8 weights: no fused tiles
+          !small_gemm_glu(act_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0)) {
         if (!gate_up.defined()) gate_up = at::empty({mlp_rows, 2 * intermediate_size}, opts);
         at::Tensor gate_up_rows = gate_up.narrow(0, 0, n);
-        small_gemm(gate_up_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0);
+        linear(gate_up_rows, x_rows, w[kGateUp], w[kGateUpBias]);
         silu_and_mul(act_rows, gate_up_rows);
       }
-      small_gemm(x_rows, act_rows, w[kDown], bias_of(w[kDownBias]), 0);
+      linear(x_rows, act_rows, w[kDown], w[kDownBias]);
     }
   }
   return layers ? residual.add_(x) : residual;

@@ -1,0 +1,419 @@
+// int8 weights for CPU linears: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in llama.cpp's Q8_0 form.
+//
+// Q8_0: each run of 32 weights along K (a "block") is 32 int8 values q and one float16 scale d, w = d * q
+// (engine/quant.py quantizes a float weight so, or takes a GGUF Q8_0 tensor's blocks as they are). At a few rows a
+// linear is bound by reading W once: 34 bytes per 32 weights against bfloat16's 64 (issue 42).
+//
+// Packed layout (engine/quant.py pack_q8), one uint8 tensor, N padded to 16 columns and K to 32 with zeros:
+//
+//   weights: [N/16][K/32][8][16][4]  uint8  q + 128 (offset binary) of 16 columns side by side, 4 k of a column in
+//                                           each 32-bit lane: vpdpbusd's unsigned operand
+//   scales:  [N/16][K/32][16]        float16 d of the 16 columns' block, after all the weights
+//
+// Paths, picked at run time (or forced by `isa`, for tests):
+//   kVnni (AVX-512 VNNI): each row of x is quantized per 32-block the same way (xq = round(x / dx), dx = amax / 127,
+//     llama.cpp's Q8_0 x Q8_0 dot), and vpdpbusd sums 4 products (q + 128) * xq a lane. The offset is taken off per
+//     block with the row's 128 * sum(xq), so the sum is exact in int32; then acc += float(sum) * (d * dx).
+//   kAvx2 (AVX2 + FMA; an AVX-512 CPU without VNNI): x stays float32; each weight byte is widened to float32 in
+//     registers and scaled by its column's d (q + 128 - 128 in one fmsub), then multiplied with x in float32.
+//
+// Threads: the 16-column blocks are split over the caller's OpenMP threads, as small_gemm does (csrc/cpu/small_gemm.cpp).
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include "../ops.h"
+
+namespace pagedserve {
+namespace cpu {
+
+namespace {
+
+constexpr int64_t kCols = 16;        // output columns per packed block
+constexpr int64_t kQ = 32;           // weights per Q8_0 block (along K)
+constexpr int64_t kBlockBytes = kCols * kQ;   // bytes of one (16 columns, 32 k) weight tile
+constexpr int64_t kSmallRows = 4;    // up to this many rows: one pass over the weights, every row per load
+constexpr int64_t kRowChunk = 128;   // rows of x per sweep over the weights in a long prefill
+constexpr int64_t kMinBlocksPerThread = 8;     // a second thread costs more than it saves below this (decode)
+constexpr int64_t kMinBlocksPerThreadWide = 2;
+constexpr int64_t kPrefetchAhead = 16;        // cache lines of a weight stream prefetched ahead (into L2)
+
+enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kVnni = 5 };
+
+bool cpu_has_vnni() {
+#if defined(__AVX512F__) && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return has;
+#else
+  return false;
+#endif
+}
+
+Isa best_isa() {
+#if defined(__AVX512F__)
+  if (cpu_has_vnni()) return kVnni;
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  return kAvx2;
+#else
+  return kAuto;  // none: q8_gemm_isa() reports 0 and engine/quant.py refuses int8 weights
+#endif
+}
+
+// Where a tile writes: float32 or bfloat16 rows, the bias, and the valid columns.
+struct Out {
+  float* f32;
+  c10::BFloat16* bf16;
+  int64_t stride;
+  const float* bias;
+  int64_t n;
+};
+
+inline void store_row(const Out& o, int64_t row, int64_t col0, const float* v) {
+  const int64_t cols = std::min<int64_t>(kCols, o.n - col0);
+  if (o.f32) {
+    float* dst = o.f32 + row * o.stride + col0;
+    for (int64_t c = 0; c < cols; ++c) dst[c] = v[c] + (o.bias ? o.bias[col0 + c] : 0.0f);
+  } else {
+    c10::BFloat16* dst = o.bf16 + row * o.stride + col0;
+    for (int64_t c = 0; c < cols; ++c) dst[c] = c10::BFloat16(v[c] + (o.bias ? o.bias[col0 + c] : 0.0f));
+  }
+}
+
+// The weight stream of a tile: block b's weights and scales, kb blocks of 32 k each.
+struct Stream {
+  const uint8_t* w;       // block 0's weights
+  const uint16_t* s;      // block 0's scales (float16 bits)
+  int64_t w_block;        // bytes between blocks' weights (kb * 512)
+  int64_t s_block;        // scales between blocks' scales (kb * 16)
+  int64_t kb;             // 32-k blocks along K
+};
+
+// x quantized per 32-block (the VNNI path): int8 rows of kb * 32 (K padded with zeros), per block its scale dx and
+// 128 * sum(xq) (what the weights' offset adds to a block's integer sum).
+struct XQuant {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> corr;
+  int64_t kb = 0;
+};
+
+template <typename T>
+inline float as_float(T v) { return static_cast<float>(v); }
+
+// One row's 32-blocks, quantized as engine/quant.py's reference does: dx = amax / 127 (float32), xq = round-half-even
+// (x * (1 / dx)); a block of zeros has dx = 0 and xq = 0.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t kb, int8_t* q, float* d, int32_t* corr) {
+  float vals[kQ];
+  for (int64_t j = 0; j < kb; ++j) {
+    const int64_t k0 = j * kQ, len = std::min<int64_t>(kQ, k - k0);
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kQ; ++i) {
+      vals[i] = i < len ? as_float(x[k0 + i]) : 0.0f;
+      amax = std::max(amax, std::fabs(vals[i]));
+    }
+    const float dj = amax / 127.0f;
+    const float id = dj != 0.0f ? 1.0f / dj : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kQ; ++i) {
+      const float r = std::nearbyint(vals[i] * id);  // the default rounding mode: to nearest, ties to even
+      const int32_t v = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, r)));
+      q[k0 + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[j] = dj;
+    corr[j] = 128 * sum;
+  }
+}
+
+XQuant quantize_x(const at::Tensor& x, int64_t kb) {
+  const int64_t m = x.size(0), k = x.size(1);
+  XQuant xq;
+  xq.kb = kb;
+  xq.q.resize(m * kb * kQ);
+  xq.d.resize(m * kb);
+  xq.corr.resize(m * kb);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t stride = x.stride(0);
+  const void* base = x.data_ptr();
+  auto row = [&](int64_t r) {
+    if (bf16) {
+      quantize_row(static_cast<const c10::BFloat16*>(base) + r * stride, k, kb, xq.q.data() + r * kb * kQ,
+                   xq.d.data() + r * kb, xq.corr.data() + r * kb);
+    } else {
+      quantize_row(static_cast<const float*>(base) + r * stride, k, kb, xq.q.data() + r * kb * kQ,
+                   xq.d.data() + r * kb, xq.corr.data() + r * kb);
+    }
+  };
+  if (m * k >= (1 << 16) && m > 1) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; ++r) row(r);
+  } else {
+    for (int64_t r = 0; r < m; ++r) row(r);
+  }
+  return xq;
+}
+
+// x rows widened to float32 (the AVX2 path), K padded to kb * 32 with zeros.
+std::vector<float> widen_x(const at::Tensor& x, int64_t width) {
+  const int64_t m = x.size(0), k = x.size(1);
+  std::vector<float> buf(m * width, 0.0f);
+  for (int64_t r = 0; r < m; ++r) {
+    if (x.scalar_type() == at::kBFloat16) {
+      const c10::BFloat16* src = x.data_ptr<c10::BFloat16>() + r * x.stride(0);
+      for (int64_t i = 0; i < k; ++i) buf[r * width + i] = static_cast<float>(src[i]);
+    } else {
+      std::memcpy(buf.data() + r * width, x.data_ptr<float>() + r * x.stride(0), k * sizeof(float));
+    }
+  }
+  return buf;
+}
+
+// ------------------------------------------------------------------ AVX-512 VNNI
+
+#if defined(__AVX512F__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")
+
+// R rows, B blocks of 16 columns: R * B int32 block sums and R * B float32 accumulators (R = 4, B = 2: 18 zmm).
+template <int R, int B>
+void tile_vnni(const XQuant& xq, int64_t row0, const Stream& st, int64_t b0, const Out& o) {
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  const int64_t kb = st.kb;
+  const uint8_t* wb[B];
+  const uint16_t* sb[B];
+  for (int b = 0; b < B; ++b) {
+    wb[b] = st.w + (b0 + b) * st.w_block;
+    sb[b] = st.s + (b0 + b) * st.s_block;
+  }
+  const int8_t* xr[R];
+  const float* dr[R];
+  const int32_t* cr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.q.data() + (row0 + r) * kb * kQ;
+    dr[r] = xq.d.data() + (row0 + r) * kb;
+    cr[r] = xq.corr.data() + (row0 + r) * kb;
+  }
+  for (int64_t j = 0; j < kb; ++j) {
+    __m512i sum[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) sum[r][b] = _mm512_setzero_si512();
+    for (int g = 0; g < kQ / 4; ++g) {  // 4 k per 32-bit lane: 8 loads of 64 bytes per block
+      __m512i wv[B];
+      for (int b = 0; b < B; ++b) {
+        const uint8_t* line = wb[b] + j * kBlockBytes + g * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchAhead * 64), _MM_HINT_T2);
+        wv[b] = _mm512_loadu_si512(line);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xr[r] + j * kQ + g * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int b = 0; b < B; ++b) sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], wv[b], xv);
+      }
+    }
+    __m512 ds[B];
+    for (int b = 0; b < B; ++b)
+      ds[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb[b] + j * kCols)));
+    for (int r = 0; r < R; ++r) {
+      const __m512i corr = _mm512_set1_epi32(cr[r][j]);
+      const __m512 dx = _mm512_set1_ps(dr[r][j]);
+      for (int b = 0; b < B; ++b) {
+        const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][b], corr));
+        acc[r][b] = _mm512_fmadd_ps(exact, _mm512_mul_ps(ds[b], dx), acc[r][b]);
+      }
+    }
+  }
+  alignas(64) float buf[kCols];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      _mm512_store_ps(buf, acc[r][b]);
+      store_row(o, row0 + r, (b0 + b) * kCols, buf);
+    }
+}
+
+#pragma GCC pop_options
+#endif  // __AVX512F__
+
+// ------------------------------------------------------------------ AVX2 + FMA (x in float32)
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+// R rows of one block (two ymm halves of 8 columns): 2R accumulators, the block's scales (d and 128 d) and one
+// widened weight vector at a time (R = 4: 13 ymm).
+template <int R, int B>
+void tile_avx2(const float* x, int64_t xs, int64_t row0, const Stream& st, int64_t b0, const Out& o) {
+  static_assert(B == 1, "the AVX2 tiles hold one block");
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const uint8_t* wb = st.w + b0 * st.w_block;
+  const uint16_t* sb = st.s + b0 * st.s_block;
+  const __m256i low = _mm256_set1_epi32(0xff);
+  const float* xr = x + row0 * xs;
+  for (int64_t j = 0; j < st.kb; ++j) {
+    __m256 ds[2], ds128[2];
+    for (int h = 0; h < 2; ++h) {
+      ds[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + j * kCols + h * 8)));
+      ds128[h] = _mm256_mul_ps(ds[h], _mm256_set1_ps(128.0f));
+    }
+    for (int g = 0; g < kQ / 4; ++g) {
+      const uint8_t* line = wb + j * kBlockBytes + g * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchAhead * 64), _MM_HINT_T2);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + h * 32));
+        for (int i = 0; i < 4; ++i) {  // byte i of each lane: k = 4g + i of the 8 columns
+          const __m256i u = i == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * i), low);
+          const __m256 w = _mm256_fmsub_ps(_mm256_cvtepi32_ps(u), ds[h], ds128[h]);  // (q + 128) d - 128 d
+          for (int r = 0; r < R; ++r)
+            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[r * xs + j * kQ + g * 4 + i]), w, acc[r][h]);
+        }
+      }
+    }
+  }
+  alignas(32) float buf[kCols];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(buf, acc[r][0]);
+    _mm256_store_ps(buf + 8, acc[r][1]);
+    store_row(o, row0 + r, b0 * kCols, buf);
+  }
+}
+
+#endif  // __AVX2__ && __FMA__
+
+// ------------------------------------------------------------------ driver
+
+// fn(b0, b1) over the blocks on up to omp_get_max_threads() threads, at least min_blocks each.
+template <typename Fn>
+void over_threads(int64_t blocks, int64_t min_blocks, Fn&& fn) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / min_blocks));
+  if (threads == 1) return fn(int64_t{0}, blocks);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    fn(blocks * t / nt, blocks * (t + 1) / nt);
+  }
+}
+
+// Tiles of up to RMax rows and BMax blocks: table[(r - 1) * BMax + (b - 1)] runs r rows of b blocks.
+template <typename Fn, int RMax, int BMax>
+struct Table {
+  Fn fn[RMax * BMax];
+};
+
+#if defined(__AVX512F__)
+using VnniFn = void (*)(const XQuant&, int64_t, const Stream&, int64_t, const Out&);
+template <int RMax, int BMax, int... I>
+constexpr Table<VnniFn, RMax, BMax> vnni_table(std::integer_sequence<int, I...>) {
+  return {{&tile_vnni<I / BMax + 1, I % BMax + 1>...}};
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+using Avx2Fn = void (*)(const float*, int64_t, int64_t, const Stream&, int64_t, const Out&);
+template <int RMax, int... I>
+constexpr Table<Avx2Fn, RMax, 1> avx2_table(std::integer_sequence<int, I...>) {
+  return {{&tile_avx2<I + 1, 1>...}};
+}
+#endif
+
+// Blocks [b0, b1) for rows [0, m): kRowChunk rows at a time, BMax blocks at a time, RMax rows a pass.
+template <int RMax, int BMax, typename Fn, typename Call>
+void run_blocks(const Table<Fn, RMax, BMax>& t, int64_t m, int64_t b0, int64_t b1, Call&& call) {
+  for (int64_t c = 0; c < m; c += kRowChunk) {
+    const int64_t c1 = std::min(m, c + kRowChunk);
+    for (int64_t b = b0; b < b1; b += BMax) {
+      const int nb = static_cast<int>(std::min<int64_t>(BMax, b1 - b));
+      for (int64_t r = c; r < c1; r += RMax) {
+        const int nr = static_cast<int>(std::min<int64_t>(RMax, c1 - r));
+        call(t.fn[(nr - 1) * BMax + (nb - 1)], r, b);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t q8_gemm_isa() { return best_isa(); }
+
+void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+             int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 1, "q8_gemm: x [M, K], out [M, N], packed 1-D");
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "q8_gemm: CPU tensors");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "q8_gemm: the packed weight is uint8 "
+              "(engine/quant.py pack_q8), got ", packed.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8_gemm: x is float32 or "
+              "bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "q8_gemm: out is float32 or "
+              "bfloat16, got ", out.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "q8_gemm: rows contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(out.size(0) == m, "q8_gemm: out has ", out.size(0), " rows, x ", m);
+  const int64_t blocks = (n + kCols - 1) / kCols, kb = (k + kQ - 1) / kQ;
+  const int64_t w_bytes = blocks * kb * kBlockBytes;
+  TORCH_CHECK(packed.numel() == w_bytes + blocks * kb * kCols * 2, "q8_gemm: packed weight has ", packed.numel(),
+              " bytes, expected ", w_bytes + blocks * kb * kCols * 2, " for N=", n, " K=", k);
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "q8_gemm: bias has ", bias->numel(), " elements, N is ", n);
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  const Isa best = best_isa();
+  const Isa use = isa == kAuto ? best : static_cast<Isa>(isa);
+  TORCH_CHECK(use != kAuto && (use == kAvx2 || use == kVnni) && use <= best, "q8_gemm: ISA path ", isa,
+              " is not in this build or on this CPU (best ", best, ")");
+  if (m == 0 || n == 0) return;
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const Stream st{base, reinterpret_cast<const uint16_t*>(base + w_bytes), kb * kBlockBytes, kb * kCols, kb};
+  const bool f32 = out.scalar_type() == at::kFloat;
+  const Out o{f32 ? out.data_ptr<float>() : nullptr, f32 ? nullptr : out.data_ptr<c10::BFloat16>(), out.stride(0),
+              bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n};
+  const bool small = m <= kSmallRows;
+  const int64_t min_blocks = small ? kMinBlocksPerThread : kMinBlocksPerThreadWide;
+
+#if defined(__AVX512F__)
+  if (use == kVnni) {
+    const XQuant xq = quantize_x(x, kb);
+    // Up to 4 rows: 4 x 2 tiles (one pass); above: 6 rows x 2 blocks (24 accumulators).
+    static constexpr auto narrow = vnni_table<4, 2>(std::make_integer_sequence<int, 8>{});
+    static constexpr auto wide = vnni_table<6, 2>(std::make_integer_sequence<int, 12>{});
+    over_threads(blocks, min_blocks, [&](int64_t b0, int64_t b1) {
+      auto call = [&](VnniFn fn, int64_t r, int64_t b) { fn(xq, r, st, b, o); };
+      if (small) {
+        run_blocks(narrow, m, b0, b1, call);
+      } else {
+        run_blocks(wide, m, b0, b1, call);
+      }
+    });
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  {
+    const std::vector<float> xf = widen_x(x, kb * kQ);
+    static constexpr auto table = avx2_table<4>(std::make_integer_sequence<int, 4>{});
+    over_threads(blocks, min_blocks, [&](int64_t b0, int64_t b1) {
+      run_blocks(table, m, b0, b1, [&](Avx2Fn fn, int64_t r, int64_t b) { fn(xf.data(), kb * kQ, r, st, b, o); });
+    });
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "q8_gemm: this build has no SIMD path (AVX2+FMA at least)");
+}
+
+}  // namespace cpu
+}  // namespace pagedserve

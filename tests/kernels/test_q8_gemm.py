@@ -1,0 +1,115 @@
+"""The int8 GEMM (csrc/cpu/q8_gemm.cpp) equals its pure-torch reference (engine/quant.py ref_q8_gemm) on every ISA
+path this CPU runs (AVX2 forced on an AVX-512 machine too), float32 and bfloat16 in and out, odd shapes (N not a
+multiple of 16, K not of 32), every tile height, with and without bias, strided rows, one and two threads; and
+quantize_q8_0 writes the bytes llama.cpp's gguf-py writes for a Q8_0 tensor."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine import ops
+from engine.quant import (QK, dequantize_q8_0, pack_q8, q8_numel, q8_rows, quantize_q8_0, ref_q8_gemm)
+from kernels.conftest import torch_threads
+
+BEST = ops.q8_gemm_isa()
+pytestmark = pytest.mark.skipif(BEST == 0, reason="the compiled kernels have no int8 GEMM path on this CPU")
+
+ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_VNNI) if isa <= BEST]
+# (N, K): whole blocks, N and K ragged, N under one block, SmolLM2's and the 1B model's widths.
+SHAPES = [(64, 64), (37, 70), (5, 32), (200, 1000), (1536, 576), (256, 2048)]
+ROWS = (1, 2, 3, 4, 5, 6, 7, 12, 13, 70, 130)  # one-pass tiles (<= 4), tall tiles whole and partial, two row chunks
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
+    if out.dtype == torch.float32:  # summation order only
+        torch.testing.assert_close(out.double(), ref, atol=2e-5 * k ** 0.5, rtol=1e-5)
+    else:  # plus one rounding to bfloat16
+        torch.testing.assert_close(out.double(), ref, atol=2e-2 * k ** 0.5 / 8, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_q8_gemm_matches_reference(isa, dtype, shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
+    packed = pack_q8(q, d)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for rows in ROWS:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        for b in (None, bias):
+            out = ops.q8_gemm(torch.empty(rows, n, dtype=dtype), x, packed, b, isa)
+            _check(out, ref_q8_gemm(x, q, d, b, quantized_x=isa == ops.Q8_GEMM_VNNI), k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q8_gemm_bfloat16_in_float32_out_and_strided_rows(isa):
+    n, k = 100, 96
+    gen = torch.Generator().manual_seed(3)
+    q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
+    packed = pack_q8(q, d)
+    wide = torch.randn(9, k + 40, generator=gen).bfloat16()
+    x = wide[:, 8:8 + k]  # rows k + 40 apart
+    out = ops.q8_gemm(torch.empty(9, n), x, packed, None, isa)  # a head's logits: float32 from bfloat16
+    _check(out, ref_q8_gemm(x, q, d, None, quantized_x=isa == ops.Q8_GEMM_VNNI), k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q8_gemm_same_bits_on_one_and_two_threads(isa):
+    n, k = 1000, 256  # 63 blocks: an uneven split, the last block partial
+    gen = torch.Generator().manual_seed(5)
+    packed = pack_q8(*quantize_q8_0(torch.randn(n, k, generator=gen)))
+    for rows in (1, 3, 12, 300):
+        x = torch.randn(rows, k, generator=gen)
+        outs = []
+        for threads in (1, 2):
+            with torch_threads(threads), ops.thread_omp_threads(threads):
+                outs.append(ops.q8_gemm(torch.empty(rows, n), x, packed, None, isa))
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_q8_gemm_is_close_to_the_float_product():
+    """What a user sees: int8 weights (and, on VNNI, int8 activations) move a linear's output by well under 1 %
+    of its scale for Gaussian weights and inputs."""
+    n, k = 512, 1024
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(4, k, generator=gen)
+    out = ops.q8_gemm(torch.empty(4, n), x, pack_q8(*quantize_q8_0(w)), None)
+    exact = x @ w.T
+    assert ((out - exact).norm() / exact.norm()).item() < 0.01
+
+
+def test_q8_gemm_rejects_a_wrong_weight():
+    q, d = quantize_q8_0(torch.randn(48, 64))
+    packed = pack_q8(q, d)
+    with pytest.raises(RuntimeError, match="packed weight has"):
+        ops.q8_gemm(torch.empty(1, 64), torch.randn(1, 64), packed, None)  # 4 blocks, not 3
+    with pytest.raises(RuntimeError, match="uint8"):
+        ops.q8_gemm(torch.empty(1, 48), torch.randn(1, 64), packed.view(torch.int8), None)
+
+
+def test_quantize_q8_0_writes_gguf_py_bytes():
+    """The blocks of `--quantization int8` are the ones llama.cpp's converter writes for --outtype q8_0."""
+    gguf = pytest.importorskip("gguf")
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 96, generator=gen) * torch.rand(40, 1, generator=gen)
+    w[3, 32:64] = 0  # a block of zeros: d = 0
+    w[5, :32] = torch.arange(32) / 31 * 127 * 0.5  # ties at .5: rounded away from zero
+    q, d = quantize_q8_0(w)
+    raw = gguf.quants.quantize(w.numpy().astype(np.float32), gguf.GGMLQuantizationType.Q8_0)  # [40, 3 * 34] bytes
+    blocks = torch.from_numpy(np.ascontiguousarray(raw)).view(40, 3, 34)
+    assert torch.equal(blocks[..., :2].contiguous().view(torch.float16).view(40, 3), d)
+    assert torch.equal(blocks[..., 2:].contiguous().view(torch.int8).view(40, 96), q)
+
+
+def test_pack_q8_round_trips_rows():
+    n, k = 45, 70  # padded to 48 columns and 96 k
+    gen = torch.Generator().manual_seed(2)
+    q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
+    packed = pack_q8(q, d)
+    assert packed.numel() == q8_numel(n, k) == 3 * 3 * 16 * (QK + 2)
+    ids = torch.tensor([[0, 44], [16, 17]])
+    torch.testing.assert_close(q8_rows(packed, ids, n, k), dequantize_q8_0(q, d, k)[ids], rtol=0, atol=0)
