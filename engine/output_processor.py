@@ -1,6 +1,7 @@
 """After the sampler: fork, append, detokenize, stop; what to fork and free; and the RequestOutput of a group."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterator, Optional
 
@@ -15,6 +16,8 @@ from engine.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _no_fault(stage: str) -> None:
@@ -89,6 +92,9 @@ class OutputProcessor:
         at("detokenizer")
         for seq, _ in children:
             new_text = self.detokenizer.decode_next(seq, params.skip_special_tokens)
+            if seq.refused_token is not None:
+                self._end_refused(group, seq)
+                continue
             self._check_stop(seq, params, len(new_text))
 
         if params.use_beam_search:
@@ -96,6 +102,16 @@ class OutputProcessor:
         else:
             _keep(group, children, actions)
         return actions
+
+    @staticmethod
+    def _end_refused(group: SequenceGroup, seq: Sequence) -> None:
+        """The sequence's grammar refused its last token: it ends with an error (its request only; vLLM ends the
+        request as FINISHED_ERROR too), never goes on unconstrained."""
+        logger.error("request %s: the grammar refused the sampled token %d; ending the request", group.request_id,
+                     seq.refused_token)
+        seq.status = SequenceStatus.FINISHED_ERROR
+        group.error = (f"Structured output failed: the sampled token {seq.refused_token} is not allowed by the "
+                       "request's grammar at this point (an internal error; the output so far is not valid).")
 
     def _check_stop(self, seq: Sequence, params: SamplingParams, new_char_count: int) -> None:
         """Stop conditions in vLLM's order: stop token / EOS, stop strings, then the length caps."""

@@ -60,6 +60,9 @@ class Sequence:
         self.stop_reason: Union[int, str, None] = None
         # Where the output is in the request's grammar (structured outputs); None when unconstrained.
         self.grammar: Optional[GrammarState] = None
+        # A sampled token the grammar refused (the mask allows none: a bug or a fault got one past it); the
+        # output processor ends the sequence with an error, as vLLM does, instead of going on unconstrained.
+        self.refused_token: Optional[int] = None
         # Incremental detokenizer state (engine/detokenizer.py owns these).
         self.tokens: Optional[list[str]] = None
         self.prefix_offset = 0
@@ -85,8 +88,8 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprobs)
         self.cumulative_logprob += logprobs[token_id]
-        if self.grammar is not None:
-            self.grammar.accept(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.refused_token = token_id
 
     def reset_for_recompute(self) -> None:
         """After preemption by recompute: all K/V are gone, recompute everything."""

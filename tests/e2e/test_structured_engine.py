@@ -52,6 +52,37 @@ def test_abort_mid_grammar_frees_every_block(make_llm, prompt_ids):
     assert_all_blocks_free(engine)
 
 
+def test_a_token_the_grammar_refuses_ends_its_request_with_an_error(make_llm, prompt_ids, smol_tokenizer):
+    # The mask makes a refused token impossible; one forced past it (here: the sampler's pick replaced by a digit,
+    # which WORD never allows) ends that request with an error instead of letting it go on unconstrained.
+    engine = make_llm("tiny").engine
+    digit = smol_tokenizer.convert_tokens_to_ids("7")
+    real_sampler, forced = engine.sampler, []
+
+    def sampler(logits, rows):
+        samples = real_sampler(logits, rows)
+        for (group, _), group_samples in zip(rows, samples):
+            if group.request_id == "forced" and len(group.seqs[0].output_token_ids) == 2 and not forced:
+                forced.append(group_samples[0].token_id)
+                group_samples[0] = group_samples[0]._replace(token_id=digit, logprobs={digit: -1.0})
+        return samples
+
+    engine.sampler = sampler
+    try:
+        engine.add_request("forced", prompt_token_ids=prompt_ids[1], params=greedy(guided=SPEC))
+        engine.add_request("other", prompt_token_ids=prompt_ids[2], params=greedy(guided=SPEC))
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({out.request_id: out for out in engine.step() if out.finished})
+    finally:
+        engine.sampler = real_sampler
+    assert forced, "the forced token was never sampled"
+    bad = finals["forced"]
+    assert bad.outputs[0].finish_reason == "error" and "grammar" in bad.error, bad
+    assert bad.outputs[0].token_ids[-1] == digit and len(bad.outputs[0].token_ids) == 3
+    check([finals["other"]])
+
+
 def test_the_grammar_wins_over_min_tokens(make_llm, prompt_ids):
     # min_tokens holds back EOS, the only token the finished choice allows: the grammar ends the output.
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=8, guided=GuidedSpec.choice(["yes", "no"]))
