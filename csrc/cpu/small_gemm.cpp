@@ -100,6 +100,17 @@ Isa best_isa() {
 #endif
 }
 
+// The path a call runs: `isa` (kAuto: the best) if it is one of the codes above and this build has it. Checked
+// first, before any tensor is read or a path or tile table is picked: every other value, a code past the best,
+// between the codes or negative, is refused here, on every CPU.
+Isa checked_isa(int64_t isa, const char* name) {
+  const Isa best = best_isa();
+  const bool known = isa == kAuto || isa == kAvx2 || isa == kAvx512 || isa == kAvx512Bf16;
+  TORCH_CHECK(known && best != kAuto && isa <= best, name, ": ISA path ", isa, " is not in this build (its best is ",
+              static_cast<int64_t>(best), "; 0 picks it)");
+  return isa == kAuto ? best : static_cast<Isa>(isa);
+}
+
 // Wraps the tile function template FN<R, B> in a struct NAME whose run<R, B> the kernel tables point to.
 #define PAGEDSERVE_TILE(NAME, FN)                                                                     \
   struct NAME {                                                                                       \
@@ -544,6 +555,7 @@ namespace {
 bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
           int64_t isa, bool glu) {
   const char* name = glu ? "small_gemm_glu" : "small_gemm";
+  const Isa use = checked_isa(isa, name);
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 1, name, ": x [M, K], out [M, N], packed 1-D");
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), name, ": CPU tensors");
   // A float32 out of a bfloat16 GEMM holds the bfloat16 result widened (a head's logits without a copy).
@@ -568,9 +580,6 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
                 n_weight);
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
-  const Isa best = best_isa();
-  const Isa use = isa == kAuto ? best : static_cast<Isa>(isa);
-  TORCH_CHECK(use != kAuto && use <= best, name, ": ISA path ", isa, " is not in this build (best ", best, ")");
   // Fused tiles: the AVX-512 paths (16 accumulators or more with a gate and an up block a row; the AVX2 tiles' 16
   // ymm registers hold one block of 4 rows), gate and up columns in whole blocks.
   if (glu && (use < kAvx512 || n % kBlock != 0)) return false;

@@ -110,6 +110,28 @@ def test_small_gemm_refuses_what_it_cannot_serve():
         pack_small_rows(torch.randn(4, 4, dtype=torch.float16))
 
 
+# Every code that names no path this build has: past the best, between the codes, negative, huge.
+NOT_PATHS = sorted({BEST + 1, BEST + 2, 1, -1, -4, 5, 64, 2 ** 31, 2 ** 62, -(2 ** 63)}
+                   - {ops.SMALL_GEMM_AUTO, *ISAS})
+
+
+@pytest.mark.parametrize("isa", NOT_PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_gemm_refuses_every_isa_code_it_does_not_have(isa, dtype):
+    """An `isa` outside the paths of this build is refused ("not in this build") by both kernels before anything
+    is read or written, even when the tensors are wrong too; the output stays untouched."""
+    packed = pack_small_rows(torch.randn(32, 16).to(dtype))
+    x = torch.randn(3, 16).to(dtype)
+    for glu, n in ((False, 32), (True, 16)):
+        call = ops.small_gemm_glu if glu else ops.small_gemm
+        out = torch.full((3, n), float("nan"), dtype=dtype)
+        with pytest.raises(RuntimeError, match="not in this build"):
+            call(out, x, packed, None, isa)
+        assert out.isnan().all()
+        with pytest.raises(RuntimeError, match="not in this build"):  # the isa is checked first
+            call(torch.empty(3, n + 1, dtype=dtype), x, packed, None, isa)
+
+
 @pytest.mark.skipif(not small_rows_available(), reason="PAGEDSERVE_SMALL_ROW_LINEAR=0")
 @pytest.mark.parametrize("dtype", [d for d in DTYPES if d in packed_dtypes()])
 def test_packed_linear_uses_the_small_row_kernel_up_to_small_rows(dtype, monkeypatch):
