@@ -125,9 +125,9 @@ class ResponseDeleted(BaseModel):
 
 
 class LifecycleEvent(BaseModel):
-    """response.created, response.in_progress, response.completed."""
+    """response.created, response.in_progress, then response.completed or response.failed."""
 
-    type: Literal["response.created", "response.in_progress", "response.completed"]
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.failed"]
     sequence_number: int
     response: ResponseObject
 

@@ -72,6 +72,17 @@ def response_object(job: Job, body: ResponsesRequest, output: list[OutputMessage
     )
 
 
+# The engine ended the request without a finished output: only an abort from outside the request's own reader
+# does that (the client's disconnect is its reader's), so the response failed on the server's side.
+ENDED_EARLY = "The request was ended in the engine before its output was finished."
+
+
+def _failed(job: Job, body: ResponsesRequest, message: OutputMessage) -> ResponseObject:
+    response = response_object(job, body, [message])
+    response.status, response.error = "failed", {"code": "server_error", "message": ENDED_EARLY}
+    return response
+
+
 def _message(message_id: str, text: str, status: str) -> OutputMessage:
     return OutputMessage(id=message_id, status=status, content=[OutputText(text=text)])
 
@@ -92,7 +103,9 @@ async def create(ctx: ServerContext, request: Request, body: ResponsesRequest) -
     finals = await streaming.collect(request, ctx.engine, job)
     if finals is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    final = finals[0]
+    final = finals.get(0)
+    if final is None:
+        raise APIError(ENDED_EARLY, 500)
     formatting.raise_for_output_error(final)
     text = final.outputs[0].text
     message = _message(f"msg_{uuid.uuid4().hex}", text, "completed")
@@ -132,6 +145,10 @@ async def _events(ctx: ServerContext, job: Job, body: ResponsesRequest,
         payload = {"type": "error", "sequence_number": next(seq), "code": str(err.status), "message": err.message,
                    "param": err.param}
         yield {"event": "error", "data": streaming.sse_json(json.dumps(payload, ensure_ascii=False))}
+        return
+    if final is None:  # OpenAI's end of a response that failed: response.failed, its error and partial output
+        failed = _failed(job, body, _message(item_id, text, "incomplete"))
+        yield _event(LifecycleEvent(type="response.failed", sequence_number=next(seq), response=failed))
         return
     response = response_object(job, body, [], final)
     message = _message(item_id, text, "incomplete" if response.status == "incomplete" else "completed")

@@ -1,10 +1,14 @@
 """POST /v1/responses through the real server and the default SmolLM2, driven by the openai client's Responses API."""
 from __future__ import annotations
 
+import concurrent.futures
+import time
+
 import httpx
 import openai
 import pytest
 from bad_inputs import MODEL
+from serving_harness import wait_idle
 
 QUESTION = "What is the capital of France?"
 
@@ -111,3 +115,45 @@ def test_store_true_retrieve_continue_delete(client, real_server):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+
+
+def _abort_when_running(engine, prefix: str = "", timeout_s: float = 30.0) -> str:
+    """Abort, from outside its reader, the engine request whose id starts with prefix once the engine holds it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ids = [rid for rid in engine.engine.request_ids() if rid.startswith(prefix)]
+        except RuntimeError:  # a queue changed under the read (the step thread runs): read again
+            continue
+        if ids:
+            engine.abort(ids[0])
+            return ids[0]
+        time.sleep(0.01)
+    raise AssertionError("the request never reached the engine")
+
+
+def test_a_stream_the_engine_ends_early_fails_instead_of_completing(client, real_server):
+    # A request the engine ends without a finished output (an abort from outside its reader) is a failed
+    # response: OpenAI's response.failed with status "failed" and an error, not response.completed.
+    events = []
+    for event in client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=400,
+                                         temperature=0, stream=True):
+        events.append(event)
+        if event.type == "response.output_text.delta" and len(events) == 5:
+            _abort_when_running(real_server.engine, events[0].response.id)
+    last = events[-1]
+    assert last.type == "response.failed" and last.response.status == "failed", [e.type for e in events[-3:]]
+    assert last.response.error.code == "server_error" and "before its output was finished" in last.response.error.message
+    assert last.response.output[0].status == "incomplete"
+    assert last.response.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_response_the_engine_ends_early_is_a_500(real_server):
+    body = {"model": MODEL, "input": "Tell me a long story.", "max_output_tokens": 400, "temperature": 0}
+    wait_idle(real_server.base_url, timeout_s=10)  # an earlier test's abort may still be on its way to the engine
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, real_server.base_url + "/v1/responses", json=body, timeout=120)
+        _abort_when_running(real_server.engine)
+        r = reply.result()
+    assert r.status_code == 500 and "before its output was finished" in r.json()["error"]["message"]
