@@ -41,6 +41,10 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    # Weights as int8 (llama.cpp's Q8_0 blocks, engine/quant.py; CPU only). None: float weights, except a GGUF
+    # whose weights are Q8_0, which is served as it is (not dequantized); "int8": quantize a float checkpoint at
+    # load; "none": float weights always (a Q8_0 GGUF dequantized, as before).
+    quantization: Optional[str] = None
     max_model_len: Optional[int] = None
     block_size: Optional[int] = None  # tokens per KV block; None: CPU_BLOCK_SIZE on CPU, CUDA_BLOCK_SIZE on CUDA
     gpu_memory_utilization: float = 0.90
@@ -76,6 +80,7 @@ class EngineConfig:
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("load_format", self.load_format in ("auto", "safetensors", "gguf", "dummy"), "must be auto, safetensors, gguf or dummy"),
+            ("quantization", self.quantization in (None, "int8", "none"), "must be int8 or none"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
             ("swap_space", self.swap_space >= 0, "must be >= 0"),
             ("kv_cache_space", self.kv_cache_space > 0, "must be > 0"),

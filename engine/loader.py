@@ -262,19 +262,49 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
                           tp=tp)
     model.to_empty(device=device)
     model.tie_weights()
+    quantization = _quantization(config, model_path, fmt, device, tp)
     if fmt is LoadFormat.DUMMY:
         model.init_dummy_weights(seed=config.seed)
+    elif quantization == "gguf-q8":
+        from engine.gguf_q8 import load_q8_gguf
+
+        load_q8_gguf(model, model_path, hf_config, dtype)
     elif fmt is LoadFormat.GGUF:
         model.load_weights(_gguf_weights(model_path))
     else:
         model.load_weights(hf_folder_weights(model_path))
     model.eval()
+    if quantization == "int8":
+        from engine.quant import quantize_linears
+
+        quantize_linears(model)
     if pack_cpu_linears and device.type == "cpu":
         pack_linears(model)
     if hasattr(model, "compiled_decode"):
         model.compiled_decode = not config.enforce_eager
     logger.info("loaded %s (%s, %s, %s) in %.1f s", model_path, fmt.value, device, dtype, time.monotonic() - start)
     return LoadedModel(model, tokenizer, hf_config, device, dtype)
+
+
+def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, device: torch.device,
+                  tp: Optional[TPGroup]) -> Optional[str]:
+    """How the weights are held: None (floats), "int8" (a float checkpoint quantized at load) or "gguf-q8" (a Q8_0
+    GGUF's blocks as they are). A Q8_0 GGUF is served natively unless --quantization none; ValueError where int8
+    was asked for and cannot run."""
+    if config.quantization == "none":
+        return None
+    from engine.gguf_q8 import is_q8_gguf
+    from engine.quant import q8_available
+
+    q8_gguf = fmt is LoadFormat.GGUF and is_q8_gguf(model_path)
+    single = tp is None or tp.world_size == 1
+    if config.quantization is None:
+        return "gguf-q8" if q8_gguf and device.type == "cpu" and single and q8_available() else None
+    if device.type != "cpu" or not single:
+        raise ValueError("--quantization int8 runs on one CPU rank only (not on CUDA, not with tensor parallelism).")
+    if not q8_available():
+        raise ValueError("--quantization int8 needs pagedserve's compiled CPU kernels on a CPU with AVX2 and FMA.")
+    return "gguf-q8" if q8_gguf else "int8"
 
 
 def hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -181,7 +181,8 @@ def attach_q8_embedding(emb: nn.Embedding, packed: torch.Tensor, dtype: torch.dt
 def quantize_linears(model: nn.Module) -> int:
     """`--quantization int8` on a loaded float model: every CPU nn.Linear (the head included) gets Q8_0 weights
     (quantize_q8_0) in the kernel's layout, and its float weight is released as soon as its copy exists; a tied
-    embedding then reads its rows from the head's copy. Returns how many linears were quantized."""
+    embedding then reads its rows from the head's copy, an untied one from its own Q8_0 copy. Returns how many
+    linears were quantized."""
     if not q8_available():
         raise ValueError("--quantization int8 needs pagedserve's compiled CPU kernels with AVX2+FMA at least")
     from engine.cpu_linear import _trim_heap
@@ -204,6 +205,12 @@ def quantize_linears(model: nn.Module) -> int:
             attach_q8_embedding(emb, packed, dtype)
         del w
         _trim_heap()
+    for emb in set(tied.values()):  # an untied embedding: its own Q8_0 copy (llama.cpp's token_embd is Q8_0 too)
+        if emb.weight.numel() > 0 and emb.max_norm is None:
+            w = emb.weight.detach()
+            attach_q8_embedding(emb, pack_q8(*quantize_q8_0(w)), w.dtype)
+            del w
+            _trim_heap()
     model.__dict__.pop("_compiled_decode", None)
     logger.info("quantized %d linear layers to int8 (Q8_0 blocks)", len(linears))
     return len(linears)

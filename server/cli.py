@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     serve.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    serve.add_argument("--quantization", default=None, choices=["int8", "none"],
+                       help="int8: the weights quantized at load to llama.cpp's Q8_0 blocks (int8, a float16 scale "
+                            "per 32) and multiplied in int8 (CPU only; about half the bytes a decode step reads). "
+                            "Default: float weights, except a .gguf whose weights are Q8_0, served as they are; "
+                            "none: such a file dequantized to --dtype")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--block-size", type=int, default=None, choices=list(BLOCK_SIZES),
@@ -84,7 +89,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine flags, one to one onto EngineConfig's fields."""
     return EngineConfig(
         model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer, dtype=args.dtype,
-        device=args.device, seed=args.seed, load_format=args.load_format, max_model_len=args.max_model_len,
+        device=args.device, seed=args.seed, load_format=args.load_format, quantization=args.quantization,
+        max_model_len=args.max_model_len,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
         kv_cache_space=args.kv_cache_space, num_gpu_blocks_override=args.num_gpu_blocks_override,
         num_cpu_blocks_override=args.num_cpu_blocks_override,
