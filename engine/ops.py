@@ -15,7 +15,8 @@ from engine.ops_loader import (CUDA_HEAD_SIZES, BackendUnavailable, OpsBackend, 
                                load as _load, require_backend)
 from engine.ref_ops import (BlockMapping, _as_mapping, ref_argmax_logsumexp, ref_copy_blocks, ref_fused_add_rms_norm,
                             ref_paged_attention, ref_prefill_attention, ref_reshape_and_cache, ref_rms_norm,
-                            ref_rotary_embedding, ref_silu_and_mul, ref_swap_blocks)
+                            ref_rotary_embedding, ref_silu_and_mul, ref_small_gemm, ref_small_gemm_glu,
+                            ref_swap_blocks)
 
 
 def _compiled_for(*tensors: torch.Tensor):
@@ -248,9 +249,12 @@ def small_gemm(out: torch.Tensor,  # [rows, N] x's dtype, or float32 for a bfloa
                packed: torch.Tensor,  # engine/cpu_linear.py pack_small_rows(W [N, K])
                bias: Optional[torch.Tensor] = None,  # [N]
                isa: int = SMALL_GEMM_AUTO) -> torch.Tensor:
-    """out = x @ W^T (+ bias), streaming W once for all rows: a decode step's linears (a few rows). CPU only,
-    compiled only (small_gemm_isa() > 0); `isa` forces a path the build has (tests)."""
-    _load().small_gemm(out, x, packed, bias, isa)
+    """out = x @ W^T (+ bias), streaming W once for all rows: a decode step's linears (a few rows); the reference
+    where no compiled CPU kernel serves (CUDA tensors, the torch backend). `isa` forces a path the build has (tests)."""
+    module = _small_gemm_module(isa, out, x, packed)
+    if module is None:
+        return ref_small_gemm(out, x, packed, bias)
+    module.small_gemm(out, x, packed, bias, isa)
     return out
 
 
@@ -260,8 +264,20 @@ def small_gemm_glu(out: torch.Tensor,  # [rows, N] float32 or bfloat16
                    bias: Optional[torch.Tensor] = None,  # [2N]
                    isa: int = SMALL_GEMM_AUTO) -> bool:
     """out = silu(gate) * up where [gate | up] = x @ W^T (+ bias): small_gemm then silu_and_mul in one pass over the
-    weights, the same bits. False (out untouched) where the path has no fused tiles (AVX2) or N % 16 != 0."""
-    return bool(_load().small_gemm_glu(out, x, packed, bias, isa))
+    weights, the same bits. False (out untouched) where the path has no fused tiles (AVX2) or N % 16 != 0; the
+    reference (always True) where no compiled CPU kernel serves."""
+    module = _small_gemm_module(isa, out, x, packed)
+    if module is None:
+        return ref_small_gemm_glu(out, x, packed, bias)
+    return bool(module.small_gemm_glu(out, x, packed, bias, isa))
+
+
+def _small_gemm_module(isa: int, *tensors: torch.Tensor):
+    """The compiled module for a small_gemm call, None for the reference (which has no ISA path to force)."""
+    module = _compiled_cpu_for(*tensors)
+    if module is None and isa != SMALL_GEMM_AUTO:
+        raise RuntimeError(f"small_gemm: ISA path {isa} is not in this build (the torch reference has none)")
+    return module
 
 
 # q8_gemm's ISA paths (csrc/cpu/q8_gemm.cpp): AVX2 widens the int8 weights to float32, VNNI multiplies in int8.

@@ -48,6 +48,47 @@ def ref_argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return logits.argmax(dim=-1), logits.float().logsumexp(dim=-1)
 
 
+_SMALL_BLOCK = 16  # output columns per block of engine/cpu_linear.py's pack_small_rows layout
+
+
+def unpack_small_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """W [n, k] back from pack_small_rows' layout (float32 [N/16][K][16], bfloat16 [N/16][K/2][16][2], zero-padded);
+    RuntimeError, as the kernel's, when the element count does not fit n and k."""
+    depth = k if packed.dtype == torch.float32 else k + k % 2  # bfloat16: K padded to whole pairs
+    blocks = -(-n // _SMALL_BLOCK)
+    if packed.dim() != 1 or packed.numel() != blocks * _SMALL_BLOCK * depth:
+        raise RuntimeError(f"small_gemm: packed weight has {packed.numel()} elements, expected "
+                           f"{blocks * _SMALL_BLOCK * depth} for N={n} K={k}")
+    if packed.dtype == torch.float32:
+        w = packed.view(blocks, depth, _SMALL_BLOCK).transpose(1, 2)
+    else:
+        w = packed.view(blocks, depth // 2, _SMALL_BLOCK, 2).permute(0, 2, 1, 3)
+    return w.reshape(blocks * _SMALL_BLOCK, depth)[:n, :k]
+
+
+def ref_small_gemm(out: torch.Tensor,  # [rows, N] x's dtype, or float32 for a bfloat16 x (the result widened)
+                   x: torch.Tensor,  # [rows, K] float32 or bfloat16
+                   packed: torch.Tensor,  # pack_small_rows(W [N, K])
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:  # [N]
+    """out = x @ W^T (+ bias), summed in float32 and rounded once to x's dtype, as the kernel does."""
+    if x.dtype != packed.dtype or out.dtype not in (x.dtype, torch.float32):
+        raise RuntimeError(f"small_gemm: x, out and the packed weight share one dtype (or a bfloat16 GEMM's out is "
+                           f"float32), got {x.dtype}, {out.dtype}, {packed.dtype}")
+    weight = unpack_small_rows(packed, out.shape[-1], x.shape[-1])
+    result = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.copy_(result.to(x.dtype))
+
+
+def ref_small_gemm_glu(out: torch.Tensor,  # [rows, N] x's dtype
+                       x: torch.Tensor,  # [rows, K]
+                       packed: torch.Tensor,  # pack_small_rows(W [2N, K]): gate rows, then up rows
+                       bias: Optional[torch.Tensor] = None) -> bool:  # [2N]
+    """silu(gate) * up of [gate | up] = x @ W^T (+ bias): the two ops the kernel fuses. Always serves (True)."""
+    gate_up = ref_small_gemm(x.new_empty(x.shape[0], 2 * out.shape[-1]), x, packed, bias)
+    ref_silu_and_mul(out, gate_up)
+    return True
+
+
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
     block_table: torch.Tensor,  # [num_seq_blocks] int32

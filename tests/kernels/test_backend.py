@@ -96,3 +96,38 @@ def test_a_kernel_build_for_less_than_the_cpu_has_never_adds_an_isa():
     assert ops_loader.isa_build(set(), "avx2") == ("generic", [])
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA='sse4'"):
         ops_loader.isa_build(zen4, "sse4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_gemm_runs_on_the_torch_reference(fresh_loader, dtype):
+    """ops.small_gemm and small_gemm_glu serve on the forced reference backend (as every op in ops.py does), with
+    the compiled kernel's results: odd N and K, a bias, a bfloat16 GEMM widened into a float32 out."""
+    from engine import ops
+    from engine.cpu_linear import pack_small_rows
+
+    gen = torch.Generator().manual_seed(1)
+    n, k, rows = 37, 33, 5
+    weight, bias = torch.randn(2 * n, k, generator=gen).to(dtype), torch.randn(2 * n, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    packed = pack_small_rows(weight)
+    outs = []
+    for forced in ("", "torch"):
+        fresh_loader.setattr(ops_loader, "_backend", None)
+        fresh_loader.setenv("PAGEDSERVE_OPS_BACKEND", forced)
+        want_backend = OpsBackend.TORCH_REFERENCE if forced else OpsBackend.COMPILED_CPU
+        assert ops_loader.backend() is want_backend
+        gemm = ops.small_gemm(torch.empty(rows, 2 * n, dtype=dtype), x, packed, bias)
+        wide = ops.small_gemm(torch.empty(rows, 2 * n), x, packed, bias) if dtype == torch.bfloat16 else gemm
+        glu = torch.full((rows, n), float("nan"), dtype=dtype)
+        fused = ops.small_gemm_glu(glu, x, packed, bias)  # N = 37: the compiled kernel declines a split block
+        assert fused is bool(forced)
+        outs.append((gemm, wide, glu))
+    (gemm, wide, _), (ref_gemm, ref_wide, ref_glu) = outs
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(ref_gemm, gemm, **tol)
+    assert ref_wide.dtype == torch.float32 and torch.equal(ref_wide, ref_gemm.float())
+    torch.testing.assert_close(ref_glu, ops.silu_and_mul(torch.empty(rows, n, dtype=dtype), ref_gemm), **tol)
+    with pytest.raises(RuntimeError, match="not in this build"):
+        ops.small_gemm(torch.empty(rows, 2 * n, dtype=dtype), x, packed, bias, ops.SMALL_GEMM_AVX2)
+    with pytest.raises(RuntimeError, match="packed weight has"):
+        ops.small_gemm(torch.empty(rows, 2 * n, dtype=dtype), x[:, :-2], packed)
