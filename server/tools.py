@@ -164,8 +164,8 @@ def parse(tool_plan: ToolPlan, text: str) -> tuple[Optional[str], list[ToolCall]
         else:
             found = [json.loads(body) for body in _CALL.findall(text)][: None if tool_plan.parallel else 1]
             calls = [(item["name"], item.get("arguments", item.get("parameters", {}))) for item in found]
-            if calls:
-                content = text[: text.index(CALL_OPEN)].strip() or None
+            if calls:  # the text before the first call, less the whitespace that leads into it
+                content = text[: text.index(CALL_OPEN)].rstrip() or None
     except (ValueError, KeyError, TypeError, AttributeError):
         return text, []
     known = {t["function"]["name"] for t in tool_plan.tools}
@@ -181,28 +181,31 @@ def finish_reason(reason: Optional[str], calls: list[ToolCall]) -> Optional[str]
 
 class ToolStream:
     """One streamed choice of a chat with tools: passes text through until a call may be starting, then holds
-    the rest; at the end, the held text becomes tool-call deltas (or content, if it held no valid call)."""
+    the rest; at the end, the held text becomes tool-call deltas (or content, if it held no valid call).
+
+    The content streamed is exactly the finished reply's (parse): whitespace is held back until text follows
+    it, since whitespace right before a call is not content."""
 
     def __init__(self, tool_plan: ToolPlan) -> None:
         self.plan = tool_plan
-        self.sent = 0  # characters of the reply already sent as content
+        self.sent = 0  # characters of the reply already sent as content: always a prefix of the raw text
         self.holding = tool_plan.mode != "auto"  # required / named: the whole reply is the calls
 
     def feed(self, text: str) -> str:
         """The content that can go out now, given the reply so far."""
         if self.holding:
             return ""
-        start = text.find(CALL_OPEN, self.sent)
-        if start != -1:
+        end = text.find(CALL_OPEN, self.sent)
+        if end != -1:
             self.holding = True
-            out, self.sent = text[self.sent:start], start
-            return out
-        # Keep back a tail that could be the start of "<tool_call>".
-        end = len(text)
-        for k in range(min(len(CALL_OPEN) - 1, end - self.sent), 0, -1):
-            if text.endswith(CALL_OPEN[:k]):
-                end -= k
-                break
+        else:  # keep back a tail that could be the start of "<tool_call>"
+            end = len(text)
+            for k in range(min(len(CALL_OPEN) - 1, end - self.sent), 0, -1):
+                if text.endswith(CALL_OPEN[:k]):
+                    end -= k
+                    break
+        while end > self.sent and text[end - 1].isspace():  # and the whitespace a call may follow
+            end -= 1
         out, self.sent = text[self.sent:end], end
         return out
 
@@ -211,6 +214,7 @@ class ToolStream:
         content, calls = parse(self.plan, text) if reason == "stop" else (text, [])
         if not calls:
             return text[self.sent:], [], reason
+        # auto: content is a prefix of the raw text (parse), so `sent` counts into both
         rest = (content or "")[self.sent:] if self.plan.mode == "auto" else ""
         deltas = [DeltaToolCall(index=i, id=c.id, type="function",
                                 function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))

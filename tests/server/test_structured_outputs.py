@@ -190,8 +190,24 @@ def test_auto_tool_calls_are_parsed_from_hermes_output(client):
     chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert content.strip() == "Let me check." and "<tool" not in content
+    assert content == "Let me check." and "<tool" not in content
     assert deltas[0].function.name == "get_time" and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("before, content", [(r"\n Let me  check. \n", "\n Let me  check."), (r" \n\n", None)])
+def test_streamed_content_before_a_call_is_the_replys_content(client, before, content):
+    # Whitespace around the text before a call, and whitespace alone: the stream's content pieces add up to the
+    # finished reply's content (its whitespace before the call dropped), never more or less.
+    grammar = ('root ::= "' + before + r'<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"utc\"}}'
+               r'\n</tool_call>"')
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Time?"}], tools=[WEATHER, TIME], max_tokens=60,
+                temperature=0, extra_body={"guided_grammar": grammar})
+    r = client.chat.completions.create(**body)
+    assert r.choices[0].message.content == content and r.choices[0].message.tool_calls[0].function.name == "get_time"
+    chunks = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
+    streamed = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(streamed) == (content or ""), streamed
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_without_tools_text_is_plain(client):
