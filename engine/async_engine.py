@@ -97,6 +97,11 @@ class AsyncLLMEngine:
         self._task: Optional[asyncio.Task] = None
         # The one thread that computes; from_config also builds the engine in it (see there).
         self._executor = step_executor or _step_executor(step_thread_nice)
+        # Grammars compile here, one at a time, off the event loop and off the step thread (a compile takes from
+        # a millisecond to seconds, superlinear in the schema); the engine's compiler is built here on first use.
+        self._grammar_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile",
+                                                    initializer=_lower_priority, initargs=(step_thread_nice,))
+        self._structured: Any = None  # the engine's StructuredOutputs once the grammar thread has built it
         self._dead: Optional[BaseException] = None
         self._resetting = False
         self._fault_streak = 0  # steps that raised since the last one that did not (idle time between them too)
@@ -239,6 +244,7 @@ class AsyncLLMEngine:
         self._fail_all(EngineDeadError("server is shutting down"))
         await self._stop_engine()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._grammar_executor.shutdown(wait=False, cancel_futures=True)
         if self._dead is None:
             stats = self._stats  # the loop's latest snapshot: a cancelled step may still be running
             logger.info("engine stopped: %d request(s) ended at the shutdown timeout, %d left in the engine, "
@@ -284,9 +290,13 @@ class AsyncLLMEngine:
         prompt_token_ids: Optional[list[int]] = None,
         params: Optional[SamplingParams] = None,
         priority: int = 0,
+        grammar: Any = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its RequestOutputs until the finished one; aborts if left early."""
-        stream = self.add_request(request_id, prompt, prompt_token_ids, params, priority)
+        """Submit one request and yield its RequestOutputs until the finished one; aborts if left early.
+        `grammar`: params.guided as compile_grammar returned it; None: compiled here (in the grammar thread)."""
+        if grammar is None and params is not None and params.guided is not None:
+            grammar = await self.compile_grammar(params.guided)
+        stream = self.add_request(request_id, prompt, prompt_token_ids, params, priority, grammar)
         try:
             while True:
                 item = await stream.queue.get()
@@ -301,12 +311,20 @@ class AsyncLLMEngine:
             if not stream.finished or request_id in self._streams:
                 self.abort(request_id)
 
-    async def compile_grammar(self, spec: GuidedSpec) -> None:
-        """Compile a structured-output spec in a worker thread (cached), so that add_request finds it compiled and
-        the step never waits for a compile. GrammarError (a ValueError) for an invalid spec."""
-        structured = self.engine.structured
-        if not structured.is_cached(spec):  # a cached spec costs no thread hop (it would cost a GIL switch)
-            await asyncio.to_thread(structured.compile, spec)
+    async def compile_grammar(self, spec: GuidedSpec) -> Any:
+        """The compiled grammar of a structured-output spec: from the cache, else compiled in the grammar thread,
+        so neither the event loop nor a step waits for a compile. GrammarError (a ValueError) if invalid."""
+        if self._structured is not None:
+            compiled = self._structured.cached(spec)  # a cached spec costs no thread hop (it would cost a GIL switch)
+            if compiled is not None:
+                return compiled
+        return await asyncio.get_running_loop().run_in_executor(self._grammar_executor, self._compile, spec)
+
+    def _compile(self, spec: GuidedSpec) -> Any:
+        """In the grammar thread. The first call builds the engine's compiler (xgrammar reads the whole
+        vocabulary: ~0.2 s for SmolLM2's)."""
+        self._structured = self.engine.structured
+        return self._structured.compile(spec)
 
     def add_request(
         self,
@@ -315,7 +333,9 @@ class AsyncLLMEngine:
         prompt_token_ids: Optional[list[int]],
         params: Optional[SamplingParams],
         priority: int = 0,
+        grammar: Any = None,
     ) -> _RequestStream:
+        """Queue a request for the engine (the step thread admits it); `grammar` is params.guided compiled."""
         if self._dead is not None:
             raise EngineDeadError(f"engine is dead: {self._dead}")
         if not self._accepting:
@@ -326,7 +346,7 @@ class AsyncLLMEngine:
         stream = _RequestStream(request_id)
         self._streams[request_id] = stream
         self._adding.add(request_id)
-        self._queue.put_nowait((_Op.ADD, request_id, (prompt, prompt_token_ids, params, priority)))
+        self._queue.put_nowait((_Op.ADD, request_id, (prompt, prompt_token_ids, params, priority, grammar)))
         return stream
 
     def abort(self, request_id: Union[str, list[str]]) -> None:
@@ -357,18 +377,17 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                ops = []
                 if not self.engine.has_unfinished_requests() and self._queue.empty():
                     await self._refresh_stats()
                     await loop.run_in_executor(self._executor, self._maybe_trim)
                     self._parked = True  # idle: sleep until a request or abort arrives
-                    op = await self._queue.get()
+                    ops.append(await self._queue.get())
                     self._parked = False
-                    self._apply(op)
                 while not self._queue.empty():
-                    self._apply(self._queue.get_nowait())
-                if not self.engine.has_unfinished_requests():
-                    continue
-                self._deliver(*await loop.run_in_executor(self._executor, self._run_steps, loop))
+                    ops.append(self._queue.get_nowait())
+                ops = [op for op in ops if self._still_wanted(op)]
+                self._deliver(*await loop.run_in_executor(self._executor, self._run_steps, loop, ops))
         except asyncio.CancelledError:
             self._halt_steps = True
             raise
@@ -376,14 +395,24 @@ class AsyncLLMEngine:
             logger.exception("the engine loop failed; the engine is dead")
             self._die(exc)
 
-    def _run_steps(self, loop: asyncio.AbstractEventLoop) -> tuple[list[RequestOutput], EngineStats, Optional[_Fault]]:
-        """In the step thread: steps back to back while no add or abort waits in the queue. Each step's outputs but
+    def _run_steps(self, loop: asyncio.AbstractEventLoop, ops: list[tuple]
+                   ) -> tuple[list[RequestOutput], EngineStats, Optional[_Fault]]:
+        """In the step thread: the queued adds and aborts (`ops`), then steps back to back while no add or abort
+        waits in the queue. Each step's outputs but
         the last go to the loop as they come, which streams them while the next step computes (the forward
         releases the GIL). Handing every step back to the loop instead put a round trip between steps (the
         future's wake-up, the dispatch, the readers' SSE writes, the executor's wake-up and the GIL): 0.6-1.0 ms
         a step at one stream and ~2.6 ms at 32 on a 2-core Zen 4 (docs/benchmarks.md, "Back-to-back steps").
-        The run ends after a step that raised, when the engine holds no request, when an op waits (the loop
-        applies it, as before, between two steps), or when the loop stopped."""
+        The run ends after a step that raised, when the engine holds no request, when an op waits (the next run
+        applies it first, between two steps as before), or when the loop stopped."""
+        refused = self._apply(ops)
+        if refused:
+            try:
+                loop.call_soon_threadsafe(self._refuse, refused)  # before any output of the run reaches the loop
+            except RuntimeError:  # the loop closed: nothing reads them any more
+                pass
+        if not self.engine.has_unfinished_requests():
+            return [], self.engine.get_stats(), None
         while True:
             outputs, stats, fault = self._step()
             # qsize() is a deque's length, read here while the loop may append: safe under the GIL, and a put
@@ -474,22 +503,43 @@ class AsyncLLMEngine:
         self._stats = self.engine.get_stats()
         self.metrics.record_stats(self._stats)
 
-    def _apply(self, op: tuple) -> None:
-        kind, request_id, payload = op
-        if kind is _Op.ABORT:
-            self.engine.abort_request(request_id)
-        elif kind is _Op.ADD:
+    def _still_wanted(self, op: tuple) -> bool:
+        """On the loop: False for an add whose reader aborted before it reached the engine."""
+        kind, request_id, _ = op
+        if kind is _Op.ADD:
             self._adding.discard(request_id)
-            stream = self._streams.get(request_id)
-            if stream is None:  # aborted before it reached the engine
-                return
-            prompt, prompt_token_ids, params, priority = payload
+            return request_id in self._streams
+        return True
+
+    def _apply(self, ops: list[tuple]) -> list[tuple[str, BaseException]]:
+        """In the step thread: adds and aborts in their order. Whatever a request's admission raises fails that
+        request alone (a ValueError: its input is bad, a 400; anything else a 500) and the engine goes on."""
+        refused = []
+        for kind, request_id, payload in ops:
+            if kind is _Op.ABORT:
+                self.engine.abort_request(request_id)
+                continue
+            prompt, prompt_token_ids, params, priority, grammar = payload
             try:
-                self.engine.add_request(
-                    request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params, priority=priority
-                )
-            except ValueError as exc:  # a bad request harms only itself
-                self._streams.pop(request_id, None)
+                self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+                                        priority=priority, grammar=grammar)
+            except ValueError as exc:
+                refused.append((request_id, exc))
+            except Exception as exc:
+                logger.error("admitting request %s failed: %s: %s", request_id, type(exc).__name__, exc,
+                             exc_info=exc)
+                self.engine.abort_request(request_id)  # whatever of it got into a queue
+                refused.append((request_id, RequestFailedError(
+                    f"The engine failed while admitting this request: {type(exc).__name__}: {exc}")))
+        return refused
+
+    def _refuse(self, refused: list[tuple[str, BaseException]]) -> None:
+        """On the loop: the readers of requests whose admission raised get the error."""
+        for request_id, exc in refused:
+            if isinstance(exc, RequestFailedError):
+                self.metrics.request_failures.labels(self.metrics.model_name, "admission_fault").inc()
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
                 stream.finish(exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

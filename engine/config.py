@@ -69,6 +69,10 @@ class EngineConfig:
     # Every step op by op (the reference). Off: a CPU step runs its decoder layers in one compiled call
     # (engine/models/compiled_decode.py), bit-identical; CUDA steps always run eagerly (no CUDA graphs yet).
     enforce_eager: bool = False
+    # MiB of compiled structured-output grammars kept (engine/structured.py), least recently used dropped first:
+    # every distinct schema, regex or grammar a client sends is a new one (tens of KiB to MiBs each, growing
+    # with the vocabulary), so the bound is in bytes. 0: nothing is kept, every constrained request compiles.
+    grammar_cache_mb: float = 16.0
 
     def __post_init__(self) -> None:
         if isinstance(self.preemption_mode, str):
@@ -89,6 +93,7 @@ class EngineConfig:
             ("watermark", 0.0 <= self.watermark < 1.0, "must be in [0, 1)"),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("distributed_timeout", self.distributed_timeout > 0, "must be > 0"),
+            ("grammar_cache_mb", self.grammar_cache_mb >= 0, "must be >= 0"),
         ]
         for name, ok, msg in checks:
             if not ok:

@@ -15,6 +15,9 @@ from engine.sequence import RequestOutput
 # start of each (tests) with the requests a fault there ends: the step's batch for cache_ops to sampler, one
 # request for output_processor and detokenizer; for schedule every queued request, though none is ended.
 STAGES = ("schedule", "cache_ops", "prepare_inputs", "forward", "sampler", "output_processor", "detokenizer")
+# Not a step's stage: the injector is also called with ADMISSION and the one request id as add_request takes it
+# (a fault there fails only that request: AsyncLLMEngine answers it with a 500 and serves on).
+ADMISSION = "admission"
 FaultInjector = Callable[[str, list[str]], None]
 
 

@@ -6,13 +6,13 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from engine import ops
 from engine.cache_engine import CacheEngine
 from engine.config import EngineConfig
 from engine.distributed import TPGroup, torchrun_env
-from engine.faults import STAGES, FaultInjector, StepError, block_problems
+from engine.faults import ADMISSION, STAGES, FaultInjector, StepError, block_problems
 from engine.loader import load_hf_config, resolve_device
 from engine.models.llama import ModelArgs
 from engine.output_processor import OutputProcessor
@@ -63,7 +63,7 @@ class LLMEngine:
         self._structured: Optional[StructuredOutputs] = None
         self._structured_lock = threading.Lock()
         self._build_scheduling(num_device_blocks, num_cpu_blocks)
-        self.fault_injector: Optional[FaultInjector] = None  # tests: called at the start of each stage (faults.py)
+        self.fault_injector: Optional[FaultInjector] = None  # tests: called at each stage and admission (faults.py)
         self._stage = STAGES[0]
         self._step_groups: Optional[list[SequenceGroup]] = None
         self._prompt_tokens_total = 0
@@ -107,12 +107,17 @@ class LLMEngine:
         params: Optional[SamplingParams] = None,
         arrival_time: Optional[float] = None,
         priority: int = 0,
+        grammar: Optional[Any] = None,
     ) -> None:
         """Queue one request. ValueError for an empty prompt or token ids outside the vocabulary.
 
         `params` is read, never changed (one object may serve many requests); max_tokens None generates until
         the context (max_model_len) is full. With --scheduling-policy priority a lower `priority` runs first.
+        `grammar`: params.guided compiled already (AsyncLLMEngine compiles in its grammar thread); None: the
+        spec is compiled here, or taken from the cache.
         """
+        if self.fault_injector is not None:
+            self.fault_injector(ADMISSION, [request_id])
         params = params if params is not None else SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -125,7 +130,8 @@ class LLMEngine:
             raise ValueError(f"prompt: token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
         seq = Sequence(next(self.seq_counter), list(prompt_token_ids))
         if params.guided is not None:
-            seq.grammar = self.structured.new_state(self.structured.compile(params.guided))
+            compiled = grammar if grammar is not None else self.structured.compile(params.guided)
+            seq.grammar = self.structured.new_state(compiled)
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
         self.scheduler.add_seq_group(group)
 
@@ -136,7 +142,8 @@ class LLMEngine:
         if self._structured is None:
             with self._structured_lock:
                 if self._structured is None:
-                    self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_id)
+                    self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_id,
+                                                         int(self.config.grammar_cache_mb * 2**20))
         return self._structured
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> list[SequenceGroup]:

@@ -63,10 +63,10 @@ class Metrics:
         self.engine_resets = counter("engine_resets", "Engine resets after a fault (scheduler, block manager and "
                                      "KV cache rebuilt; the requests in flight end with a 503).")
         self.request_failures = counter("request_failures", "Requests the server ended, by reason: step_fault (a "
-                                        "step running it raised, 500), engine_reset (in flight at a reset, 503).",
-                                        ("reason",))
+                                        "step running it raised, 500), engine_reset (in flight at a reset, 503), "
+                                        "admission_fault (adding it to the engine raised, 500).", ("reason",))
         self.engine_resets.labels(model_name)
-        for reason in ("step_fault", "engine_reset"):
+        for reason in ("step_fault", "engine_reset", "admission_fault"):
             self.request_failures.labels(model_name, reason)
         self.cache_config = Info(PREFIX + "cache_config", "The KV cache configuration.", registry=self.registry)
         # The engine's counters are cumulative; Prometheus counters only grow by increments.

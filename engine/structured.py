@@ -8,7 +8,8 @@ keeps it (the output tokens are kept either way). The sampler masks the constrai
 batched bitmask; unconstrained rows are not touched.
 
 Why xgrammar rather than llguidance: both install as wheels and run on CPU; xgrammar is vLLM's default (the
-same JSON-schema coverage users get there) and its compiled grammars and compile cache are its own.
+same JSON-schema coverage users get there), and a compiled grammar reports its memory size, which bounds the
+cache of compiled specs in bytes.
 docs/benchmarks.md has the measured compile and mask times.
 """
 from __future__ import annotations
@@ -24,8 +25,6 @@ from engine.sampling_params import GuidedSpec
 
 if TYPE_CHECKING:
     import torch
-
-_CACHE_SIZE = 256  # compiled grammars kept (xgrammar keeps its own byte-bounded cache under this)
 
 
 class GrammarError(ValueError):
@@ -56,45 +55,63 @@ class GrammarState:
 
 
 class StructuredOutputs:
-    """Compiles specs for one tokenizer (thread-safe, cached) and starts sequences' grammar states."""
+    """Compiles specs for one tokenizer (thread-safe, cached) and starts sequences' grammar states.
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: Optional[int]) -> None:
+    The one cache is ours, keyed by spec, least recently used dropped first, holding at most `cache_bytes`
+    (EngineConfig.grammar_cache_mb; a grammar counts its xgrammar memory_size_bytes plus its spec's text).
+    xgrammar's compiler cache (unbounded by default) is off: every compile goes through ours first, so a second
+    cache would only keep the same grammars twice."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: Optional[int], cache_bytes: int) -> None:
         import xgrammar as xgr  # imported here: an engine that never sees a constraint never loads it
 
         self._xgr = xgr
         stop = [eos_token_id] if eos_token_id is not None else None
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._cache: OrderedDict[GuidedSpec, object] = OrderedDict()
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.cache_limit_bytes = cache_bytes
+        self._cache: OrderedDict[GuidedSpec, tuple[object, int]] = OrderedDict()  # spec -> (grammar, its bytes)
+        self.cache_bytes = 0  # the sum of the cached entries' bytes
         self._lock = threading.Lock()
         self.last_compile_ms = 0.0  # of the last spec not found in the cache (benchmarks read it)
+
+    def cached(self, spec: GuidedSpec):
+        """The compiled grammar of `spec` if the cache holds it, else None (never compiles)."""
+        with self._lock:
+            entry = self._cache.get(spec)
+            if entry is None:
+                return None
+            self._cache.move_to_end(spec)
+            return entry[0]
 
     def compile(self, spec: GuidedSpec):
         """The compiled grammar of `spec`, from the cache when it was compiled before. GrammarError if invalid.
 
         The lock guards the cache only: the step thread's lookups never wait behind a compile running in a
         server thread (two threads compiling one new spec at once both do the work, once)."""
-        with self._lock:
-            compiled = self._cache.get(spec)
-            if compiled is not None:
-                self._cache.move_to_end(spec)
-                return compiled
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
         start = time.perf_counter()
         try:
             compiled = self._compile(spec)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors on a bad spec
             raise GrammarError(_describe(spec, exc)) from exc
         self.last_compile_ms = (time.perf_counter() - start) * 1e3
+        size = compiled.memory_size_bytes + len(spec.value)
         with self._lock:
-            self._cache[spec] = compiled
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            old = self._cache.pop(spec, None)
+            self.cache_bytes += size - (old[1] if old is not None else 0)
+            self._cache[spec] = (compiled, size)
+            while self.cache_bytes > self.cache_limit_bytes:  # a grammar over the whole limit is not kept
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self.cache_bytes -= dropped
         return compiled
 
-    def is_cached(self, spec: GuidedSpec) -> bool:
-        with self._lock:
-            return spec in self._cache
+    def __len__(self) -> int:
+        """Grammars in the cache."""
+        return len(self._cache)
 
     def _compile(self, spec: GuidedSpec):
         compiler = self._compiler

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every step op by op in Python (the reference path). By default a CPU step "
                             "(decode and prefill) runs all its layers in one compiled call (same kernels, same "
                             "tokens and logprobs); CUDA steps always run eagerly (no CUDA graphs yet)")
+    serve.add_argument("--grammar-cache-mb", type=float, default=16.0,
+                       help="MiB of compiled structured-output grammars kept, least recently used dropped first")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -99,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode,
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, grammar_cache_mb=args.grammar_cache_mb,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from engine.sampling_params import SamplingParams
 
@@ -41,6 +41,7 @@ class Job:
     priority: int = 0
     tools: Optional["ToolPlan"] = None  # a chat with tools: how its calls are read back (server/tools.py)
     guided_param: str = "response_format"  # the field a structured-output compile error names
+    grammar: Any = None  # params.guided compiled (routes._serve), handed to the engine with every prompt
     engine_key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def request_id(self, prompt_index: int) -> str:

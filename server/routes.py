@@ -94,7 +94,7 @@ async def _serve(request: Request, ctx: ServerContext, job: Job) -> Response:
         raise APIError(ctx.engine.unavailable_reason, 503)
     if job.params.guided is not None:
         try:  # compiled off the event loop, before the engine sees the request (cached by spec)
-            await ctx.engine.compile_grammar(job.params.guided)
+            job.grammar = await ctx.engine.compile_grammar(job.params.guided)
         except ValueError as exc:  # GrammarError: the schema, regex or grammar is invalid
             raise APIError(f"{job.guided_param}: {exc}", 400, job.guided_param) from None
     if job.stream:

@@ -37,7 +37,7 @@ async def run_job(engine: Any, job: Job) -> AsyncIterator[tuple[int, RequestOutp
     async def pump(i: int) -> None:
         try:
             async for out in engine.generate(request_ids[i], prompt_token_ids=job.prompts[i], params=job.params,
-                                             priority=job.priority):
+                                             priority=job.priority, grammar=job.grammar):
                 queue.put_nowait((i, out))
         except Exception as exc:  # EngineDeadError, a ValueError from add_request
             queue.put_nowait((i, exc))

@@ -1,0 +1,90 @@
+"""What a request brings to its admission: a fault while the engine takes a request fails that request alone (a 500
+in the OpenAI error shape) and the engine serves on; a grammar compiles off the event loop, so /health answers
+while a slow one compiles."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from engine.faults import ADMISSION
+from reliability_harness import leaked_blocks, metric, serve, stream_completion, wait_engine_idle
+
+SHORT = {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+NO_LEAK = {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
+# ~1-3 s to compile on one core (xgrammar's compile time grows faster than the schema).
+SLOW_SCHEMA = {"type": "object", "properties": {
+    f"k{j}": {"type": "array", "items": {"type": "object", "properties": {f"a{k}": {"type": "integer"}
+                                                                         for k in range(20)}}}
+    for j in range(100)}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    # No grammar is kept: a spec compiles wherever the server asks for it (as one that fell out of the cache).
+    with serve(tiny_llama_dir, max_model_len=128, max_num_seqs=4, num_gpu_blocks_override=64,
+               grammar_cache_mb=0) as s:
+        yield s
+
+
+def test_a_fault_admitting_one_request_fails_it_alone(server):
+    engine, base = server.engine, server.base_url
+
+    def fault(stage: str, request_ids: list[str]) -> None:
+        if stage == ADMISSION and "victim" in request_ids[0]:
+            raise KeyError("injected admission fault")
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as client:
+            url = base + "/v1/completions"
+            other = asyncio.create_task(stream_completion(client, url, {**SHORT, "max_tokens": 40, "prompt": [7] * 8}))
+            while not engine.engine.scheduler.running:  # the other request is decoding when the victims arrive
+                await asyncio.sleep(0.005)
+            plain = await client.post(url, json={**SHORT, "request_id": "victim-1"})
+            streamed = await stream_completion(client, url, {**SHORT, "request_id": "victim-2"})
+            return plain, streamed, await other
+
+    engine.engine.fault_injector = fault
+    try:
+        plain, streamed, other = asyncio.run(scenario())
+    finally:
+        engine.engine.fault_injector = None
+    assert plain.status_code == 500, plain.text
+    err = plain.json()["error"]
+    assert err["type"] == "InternalServerError" and err["code"] == 500
+    assert "admitting this request: KeyError" in err["message"] and "injected admission fault" in err["message"]
+    assert streamed["status"] == 200 and streamed["done"] and streamed["error"]["code"] == 500, streamed
+    assert other["status"] == 200 and other["error"] is None and other["usage"]["completion_tokens"] == 40, other
+    assert engine.is_ready and not engine.errored
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+    r = httpx.post(base + "/v1/completions", json=SHORT, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    text = httpx.get(base + "/metrics", timeout=10).text
+    assert metric(text, "pagedserve:request_failures_total", 'reason="admission_fault"') == 2
+    wait_engine_idle(server)
+    assert leaked_blocks(server) == NO_LEAK
+
+
+def test_health_answers_while_a_slow_grammar_compiles(server):
+    body = {**SHORT, "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "slow", "schema": SLOW_SCHEMA}}}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            request = asyncio.create_task(client.post(server.base_url + "/v1/completions", json=body))
+            waits = []
+            while not request.done():
+                start = time.monotonic()
+                assert (await client.get(server.base_url + "/health")).status_code == 200
+                waits.append(time.monotonic() - start)
+                await asyncio.sleep(0.01)
+            return await request, waits
+
+    start = time.monotonic()
+    r, waits = asyncio.run(scenario())
+    took = time.monotonic() - start
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    assert took > 0.5, f"the schema compiled in {took:.2f} s: too fast to show a stall"
+    assert max(waits) < 0.25, f"/health waited {max(waits):.2f} s while the grammar compiled ({took:.2f} s)"
