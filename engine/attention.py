@@ -1,19 +1,14 @@
-"""Attention over the paged KV cache: write new K/V, prefill (CPU kernel; xformers or SDPA on CUDA), decode."""
+"""Attention over the paged KV cache: write new K/V, prefill (CPU kernel; on CUDA the kernel the engine probed,
+engine/prefill_kernels.py, or SDPA per sequence), decode."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from engine import ops, ref_ops
-
-try:  # CUDA prefill; not installed on CPU machines.
-    from xformers import ops as xops
-    from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
-except ImportError:  # pragma: no cover - depends on the machine
-    xops = None
+from engine.prefill_kernels import PrefillBatch, sdpa
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_size]
 _ONE_BLOCK = torch.zeros(1, dtype=torch.int32)  # [1]: the block table of a prefill's own K/V seen as one block
@@ -43,8 +38,9 @@ class AttentionMetadata:
     num_prefill_tokens: int = 0
     decode_block_tables: Optional[torch.Tensor] = None  # [num_decodes, max_blocks] int32
     decode_context_lens: Optional[torch.Tensor] = None  # [num_decodes] int32
-    # xformers' block-diagonal causal bias for the prefills, built once per step (CUDA only).
-    prefill_bias: object = None
+    # The spans as the engine's batched prefill kernel takes them, built once per step (ModelRunner.forward);
+    # None where the step has a cached prefix or the engine has no such kernel (the CPU).
+    prefill_batch: Optional[PrefillBatch] = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -76,8 +72,8 @@ class Attention(torch.nn.Module):
         out = torch.empty_like(query)
         n_pre = meta.num_prefill_tokens
         if meta.prefills:
-            if meta.prefill_bias is not None and xops is not None and self.sliding_window is None:
-                out[:n_pre] = self._prefill_xformers(query[:n_pre], key[:n_pre], value[:n_pre], meta.prefill_bias)
+            if meta.prefill_batch is not None and self.sliding_window is None:
+                out[:n_pre] = meta.prefill_batch.run(query[:n_pre], key[:n_pre], value[:n_pre], self.scale)
             elif query.is_cuda:
                 for span in meta.prefills:
                     out[span.start:span.end] = self._prefill_sdpa(query, key, value, kv_cache, span)
@@ -117,28 +113,4 @@ class Attention(torch.nn.Module):
             k = ref_ops.gather_context(kv_cache[0], span.block_table, span.context_len, start)  # [kv_heads, n, hs]
             v = ref_ops.gather_context(kv_cache[1], span.block_table, span.context_len, start)
             mask = ref_ops.causal_window_mask(q_len, span.context_len, start, self.sliding_window, q.device)
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # explicit GQA copies: SDPA's enable_gqa falls back to its slow math kernel on CPU
-            k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=self.scale
-        )[0]
-        return out.transpose(0, 1)  # [q_len, num_heads, head_size]
-
-    def _prefill_xformers(self, query, key, value, bias) -> torch.Tensor:
-        # [1, num_prefill_tokens, heads, head_size]; GQA through a broadcast 5-D view (no copy).
-        groups = self.num_heads // self.num_kv_heads
-        t = query.shape[0]
-        q = query.view(1, t, self.num_kv_heads, groups, self.head_size)
-        k = key[:, :, None, :].expand(t, self.num_kv_heads, groups, self.head_size).unsqueeze(0)
-        v = value[:, :, None, :].expand(t, self.num_kv_heads, groups, self.head_size).unsqueeze(0)
-        out = xops.memory_efficient_attention_forward(q, k, v, attn_bias=bias, scale=self.scale)
-        return out.view(t, self.num_heads, self.head_size)
-
-
-def make_prefill_bias(prefills: list[PrefillSpan]):
-    """xformers' block-diagonal causal mask for prefills without a cached prefix; None where xformers cannot serve.
-    Windowed layers do not use it (they take the SDPA path with a windowed mask)."""
-    if xops is None or not prefills or any(p.num_cached for p in prefills):
-        return None
-    return BlockDiagonalCausalMask.from_seqlens([p.end - p.start for p in prefills])
+        return sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, self.scale)  # [q_len, heads, hs]

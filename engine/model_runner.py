@@ -19,9 +19,10 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from engine import ops
-from engine.attention import AttentionMetadata, KVCache, PrefillSpan, make_prefill_bias
+from engine.attention import Attention, AttentionMetadata, KVCache, PrefillSpan
 from engine.config import EngineConfig
 from engine.distributed import TPGroup
+from engine.prefill_kernels import PrefillBatch, ProbeShape, candidates_for, select_prefill_kernel
 from engine.prompt_logprobs import logits_positions
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -72,7 +73,6 @@ class ModelInput(NamedTuple):
         meta = AttentionMetadata(
             slot_mapping=move(m.slot_mapping), prefills=spans, num_prefill_tokens=m.num_prefill_tokens,
             decode_block_tables=move(m.decode_block_tables), decode_context_lens=move(m.decode_context_lens),
-            prefill_bias=make_prefill_bias(spans) if device.type == "cuda" else None,
         )
         return ModelInput(move(self.input_ids), move(self.positions), meta, move(self.logits_indices),
                           self.prompt_rows)
@@ -95,6 +95,11 @@ class ModelRunner:
         self._shard_pool: Optional[ThreadPoolExecutor] = None  # started on the first split step
         dtype = next(model.parameters(), torch.empty(0)).dtype
         self._split_min_rows = SPLIT_MIN_ROWS_BF16 if dtype == torch.bfloat16 else SPLIT_MIN_ROWS
+        # CUDA: the batched prefill kernel that runs here, probed once on this device (engine/prefill_kernels.py).
+        attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
+        candidates = candidates_for(self.device) if attn is not None else []
+        self.prefill_kernel = select_prefill_kernel(candidates, ProbeShape(
+            attn.num_heads, attn.num_kv_heads, attn.head_size, dtype, self.device)) if candidates else None
 
     @torch.inference_mode()
     def execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None] = _no_fault,
@@ -125,6 +130,7 @@ class ModelRunner:
                 ) -> tuple[Optional[torch.Tensor], dict[str, Optional[torch.Tensor]]]:
         """One forward of a prepared input; every rank runs it (logits are None except on rank 0)."""
         inp = inp.to(self.device)
+        inp.meta.prefill_batch = self._prefill_batch(inp.meta.prefills)
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.meta)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_rows, vocab]
         prompt_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in inp.prompt_rows.items()}
@@ -222,7 +228,6 @@ class ModelRunner:
             slot_mapping=self._tensor(slots, torch.int64),
             prefills=spans,
             num_prefill_tokens=num_prefill_tokens,
-            prefill_bias=make_prefill_bias(spans) if self._input_device.type == "cuda" else None,
         )
         if decode_rows:
             width = max(len(t) for t in decode_tables)
@@ -235,6 +240,14 @@ class ModelRunner:
             logits_indices=self._tensor(logits_indices, torch.int64),
             prompt_rows=prompt_rows,
         )
+
+    def _prefill_batch(self, spans: list[PrefillSpan]) -> Optional[PrefillBatch]:
+        """The step's spans for the engine's batched prefill kernel, on this device; None where it has none or a
+        span reads a cached prefix (engine/attention.py then runs SDPA per sequence)."""
+        if self.prefill_kernel is None or not spans or any(span.num_cached for span in spans):
+            return None
+        return PrefillBatch(self.prefill_kernel, self.prefill_kernel.prepare([s.end - s.start for s in spans],
+                                                                             self.device))
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -255,7 +268,7 @@ class ModelRunner:
             slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=self.device),
             prefills=spans,
             num_prefill_tokens=total,
-            prefill_bias=make_prefill_bias(spans) if self.device.type == "cuda" else None,
+            prefill_batch=self._prefill_batch(spans),
         )
         vocab = self.model.args.vocab_size
         input_ids = torch.randint(0, vocab, (total,), device=self.device)

@@ -95,7 +95,7 @@ class CompiledDecode:
             and rows == meta.num_prefill_tokens + meta.num_decode_tokens
             and x.device.type == "cpu"
             and kv_caches[0][0].numel() > 0
-            and meta.prefill_bias is None
+            and meta.prefill_batch is None
         ):
             return False
         row = 0

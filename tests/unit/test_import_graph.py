@@ -16,7 +16,8 @@ LAYERS = {
     "engine.block_allocator": 1, "engine.prompt_logprobs": 1, "engine.block_manager": 1, "engine.scheduler": 1,
     "engine.detokenizer": 1, "engine.faults": 1, "engine.protocol": 1, "engine.metrics": 1,
     # tensors: kernels, the model, the cache, the forward, sampling, outputs
-    "engine.ops_loader": 2, "engine.ref_ops": 2, "engine.ops": 2, "engine.attention": 2, "engine.cpu_linear": 2,
+    "engine.ops_loader": 2, "engine.ref_ops": 2, "engine.ops": 2, "engine.attention": 2, "engine.prefill_kernels": 2,
+    "engine.cpu_linear": 2,
     "engine.models": 2, "engine.models.llama": 2, "engine.models.llama_weights": 2, "engine.models.compiled_decode": 2,
     "engine.loader": 2,
     "engine.cache_engine": 2,
