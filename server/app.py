@@ -15,10 +15,13 @@ from server.context import ServerContext
 from server.routes import build_router, stream_chunk_schemas
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context
+# With an API key, these and every /v1/ path need it (as in vLLM): what reads the tokenizer or runs the engine.
+# /health, /version and /metrics stay open for probes and scrapers.
+KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
 class GuardMiddleware:
-    """Pure ASGI (streams and disconnects pass through untouched): body size limit and the /v1 API key."""
+    """Pure ASGI (streams and disconnects pass through untouched): body size limit and the API key."""
 
     def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int) -> None:
         self.app = app
@@ -29,7 +32,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"].startswith("/v1/"):
+        if self.api_key and (scope["path"].startswith("/v1/") or scope["path"] in KEYED_PATHS):
             if headers.get("authorization", "") != f"Bearer {self.api_key}":
                 return await error_response("Invalid or missing API key.", 401)(scope, receive, send)
         length = headers.get("content-length", "")

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the id clients put in `model`")
-    serve.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on /v1/* (env {API_KEY_ENV})")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (env {API_KEY_ENV})")
     serve.add_argument("--tokenizer", default=None)
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

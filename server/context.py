@@ -16,6 +16,11 @@ logger = logging.getLogger(__name__)
 
 
 MAX_STORED_RESPONSES = 1024  # /v1/responses with store: true; the oldest is dropped past this
+# Unknown field names get a warning each, once, for the first this many names of an endpoint: clients choose the
+# names, so past it they are only counted, in a line at most every UNKNOWN_FIELDS_LOG_S seconds per endpoint.
+MAX_WARNED_FIELDS = 32
+UNKNOWN_FIELDS_LOG_S = 60.0
+MAX_LOGGED_NAME = 100  # characters of a field name kept and logged
 
 
 @dataclass
@@ -53,6 +58,36 @@ class ResponseStore:
 
 
 @dataclass
+class UnknownFieldLog:
+    """The warnings about one endpoint's unknown fields: bounded whatever names the clients send."""
+
+    warned: set[str] = field(default_factory=set)  # at most MAX_WARNED_FIELDS names
+    unlisted_requests: int = 0  # requests that carried a name past those, since the start
+    last_count_log: float = float("-inf")
+
+    def note(self, route: str, names: list[str]) -> None:
+        unlisted = False
+        for name in names:
+            name = name[:MAX_LOGGED_NAME]
+            if name in self.warned:
+                continue
+            if len(self.warned) >= MAX_WARNED_FIELDS:
+                unlisted = True
+                continue
+            self.warned.add(name)
+            logger.warning("%s: ignoring the unknown field %r (warned once per field)", route, name)
+        if not unlisted:
+            return
+        self.unlisted_requests += 1
+        now = time.monotonic()
+        if now - self.last_count_log >= UNKNOWN_FIELDS_LOG_S:
+            self.last_count_log = now
+            logger.warning("%s: %d request(s) so far carried unknown fields past the first %d names warned about "
+                           "(ignored; counted, not logged one by one)", route, self.unlisted_requests,
+                           MAX_WARNED_FIELDS)
+
+
+@dataclass
 class ServerContext:
     """The engine and the served model's facts, built once by create_app and read by the handlers."""
 
@@ -65,7 +100,7 @@ class ServerContext:
     tool_call_parser: str = "hermes"  # --tool-call-parser (server/tools.py)
     shutdown_timeout_s: float = 10.0  # how long streams may outlive SIGTERM before the engine ends them
     created: int = field(default_factory=lambda: int(time.time()))
-    warned_fields: set[str] = field(default_factory=set)  # "route: field" pairs already logged
+    unknown_field_logs: dict[str, UnknownFieldLog] = field(default_factory=dict)  # per route (a handful)
     responses: ResponseStore = field(default_factory=ResponseStore)
 
     @property
@@ -73,9 +108,8 @@ class ServerContext:
         return self.engine.tokenizer
 
     def warn_unknown_fields(self, route: str, body: BaseModel) -> None:
-        """Log once per (route, field name) the fields of a request that are accepted and ignored (as vLLM does)."""
-        for name in unknown_fields(body):
-            key = f"{route}: {name}"
-            if key not in self.warned_fields:
-                self.warned_fields.add(key)
-                logger.warning("%s: ignoring the unknown field %r (warned once per field)", route, name)
+        """Log once per (route, field name) the fields of a request that are accepted and ignored (as vLLM does),
+        for the first MAX_WARNED_FIELDS names of a route; count the rest."""
+        names = unknown_fields(body)
+        if names:
+            self.unknown_field_logs.setdefault(route, UnknownFieldLog()).note(route, names)

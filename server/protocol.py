@@ -23,16 +23,28 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
 
 
-def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
-    """The dotted names of every ignored field of `body` and of the models nested in it (list items included)."""
-    names = [prefix + name for name in (body.model_extra or {})]
-    for name in type(body).model_fields:
-        value = getattr(body, name)
-        items = value if isinstance(value, list) else [value]
-        for item in items:
-            if isinstance(item, BaseModel):
-                names += [n for n in unknown_fields(item, f"{prefix}{name}.") if n not in names]
-    return names
+MAX_UNKNOWN_FIELDS = 256  # names unknown_fields() reports of one body; a client chooses them, as many as fit
+
+
+def unknown_fields(body: BaseModel, limit: int = MAX_UNKNOWN_FIELDS) -> list[str]:
+    """The dotted names of the ignored fields of `body` and of the models nested in it (list items included),
+    each once, in the order found, and at most `limit`: one pass over the models, which stops at the limit."""
+    found: dict[str, None] = {}
+
+    def walk(model: BaseModel, prefix: str) -> bool:  # True once the limit is reached
+        for name in model.model_extra or {}:
+            found[prefix + name] = None
+            if len(found) >= limit:
+                return True
+        for name in type(model).model_fields:
+            value = getattr(model, name)
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, BaseModel) and walk(item, f"{prefix}{name}."):
+                    return True
+        return False
+
+    walk(body, "")
+    return list(found)
 
 
 class StreamOptions(RequestModel):

@@ -29,6 +29,8 @@ ERRORS: dict[Union[int, str], dict[str, Any]] = {
                        (413, "Request body too large"),
                        (503, "Engine not ready, dead, shutting down, or out of capacity (retry later)")]
 }
+# The routes that run the engine: a step running the request, or its admission, raised (the others go on).
+ENGINE_ERRORS = {**ERRORS, 500: {"model": ErrorResponse, "description": "The engine failed on this request"}}
 # What each route streams when stream=true: every `data:` line is the JSON of one of its chunk models, or of an
 # error body `{"error": {...}}` that ends the stream; completions and chat end with `data: [DONE]`.
 STREAM_CHUNKS: dict[str, list[type[BaseModel]]] = {
@@ -154,12 +156,14 @@ def build_router() -> APIRouter:
     """Every route of the API; built per app so no router lives at module level."""
     router = APIRouter()
     router.add_api_route("/v1/completions", create_completion,
-                         methods=["POST"], response_model=CompletionResponse, responses={**_sse("/v1/completions"), **ERRORS})
+                         methods=["POST"], response_model=CompletionResponse,
+                         responses={**_sse("/v1/completions"), **ENGINE_ERRORS})
     router.add_api_route("/v1/chat/completions", create_chat_completion,
                          methods=["POST"], response_model=ChatCompletionResponse,
-                         responses={**_sse("/v1/chat/completions"), **ERRORS})
+                         responses={**_sse("/v1/chat/completions"), **ENGINE_ERRORS})
     router.add_api_route("/v1/responses", create_response,
-                         methods=["POST"], response_model=ResponseObject, responses={**_sse("/v1/responses"), **ERRORS})
+                         methods=["POST"], response_model=ResponseObject,
+                         responses={**_sse("/v1/responses"), **ENGINE_ERRORS})
     router.add_api_route("/v1/responses/{response_id}", get_response,
                          methods=["GET"], response_model=ResponseObject, responses=ERRORS)
     router.add_api_route("/v1/responses/{response_id}", delete_response,

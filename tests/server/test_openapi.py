@@ -58,6 +58,14 @@ def generated(make_tiny_engine) -> dict:
     return create_app(make_tiny_engine()).openapi()
 
 
+def test_the_generator_writes_the_committed_file():
+    """scripts/openapi.py writes openapi.yaml from the app without loading a model."""
+    import runpy
+
+    render = runpy.run_path(str(ROOT / "scripts" / "openapi.py"))["render"]
+    assert render() == (ROOT / "openapi.yaml").read_text(), "openapi.yaml is stale: run python scripts/openapi.py"
+
+
 def test_openapi_yaml_matches_app(generated):
     committed = yaml.safe_load((ROOT / "openapi.yaml").read_text())
     want, got = surface(committed), surface(generated)
@@ -75,6 +83,14 @@ def test_openapi_documents_the_api(generated):
     assert {"prompt", "echo", "logprobs", "stream_options", "best_of"} <= set(completion["request"]["properties"])
     assert completion["request"]["extra"] is True  # unknown fields are accepted and ignored, and documented so
     assert "422" not in completion["responses"] and "400" in completion["responses"]
+    # A step or an admission that raised on the request: the 500 RequestFailedError becomes (server/streaming.py).
+    for route in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses"):
+        assert "500" in routes[route]["responses"], route
+    # The API key guards /v1/*, /tokenize and /detokenize (server/app.py); probes and scrapers need none.
+    for route in ("POST /v1/completions", "POST /tokenize", "POST /detokenize"):
+        assert "401" in routes[route]["responses"], route
+    for route in ("GET /health", "GET /version", "GET /metrics"):
+        assert "401" not in routes[route]["responses"], route
     choice = completion["responses"]["200"]["application/json"]["properties"]["choices"]["array"]
     assert {"index", "text", "logprobs", "finish_reason"} <= set(choice["properties"])
 
