@@ -8,6 +8,8 @@
 #   DTYPES=float32 bash benchmarks/peers.sh         # an AVX2-only CPU: compare in float32 only
 #   REPEAT=3 SWEEP=1,32 bash benchmarks/peers.sh    # 3 llama.cpp / pagedserve pairs per point, alternating
 #   ISA=avx2 DTYPES=float32 bash benchmarks/peers.sh  # an AVX2-only CPU's code paths, on an AVX-512 machine
+#   DTYPES="bfloat16 q8_0" bash benchmarks/peers.sh    # int8: both serve the same Q8_0 GGUF (pagedserve natively)
+#   MODEL=llama1b DTYPES="bfloat16 q8_0" bash benchmarks/peers.sh  # the random 1.17B Llama (memory-bound decode)
 #
 # llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
 # GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
@@ -17,6 +19,12 @@
 # $OUT/peers_*.json, the plot to $OUT/peers.png. A shared VM's speed can move 20-40 % within minutes: with REPEAT=N
 # each point runs N pairs (llama.cpp, then pagedserve, back to back) and the report gives the median of the N
 # pairs' ratios, and each pair's ratio, instead of one pair's.
+#
+# MODEL=llama1b: a random-weight Llama at 1B shapes (benchmarks/bench_model.py: hidden 2048, 16 layers, 32/8 heads,
+# MLP 8192, SmolLM2's tokenizer, 1.17B parameters), built in-process once into $CACHE/models/bench-llama-1.17b,
+# instead of the 135M default model. DTYPES q8_0: llama.cpp's converter writes a Q8_0 GGUF (--outtype q8_0);
+# llama-server serves it, and pagedserve serves the same file natively (int8 weights, engine/gguf_q8.py) with
+# bfloat16 activations (PS_Q8_DTYPE).
 #
 # ISA=avx2 runs both servers as on an AVX2-only CPU (Zen 3): llama.cpp built with AVX2/FMA/F16C and no AVX-512
 # (into $LLAMA/build-avx2), pagedserve's kernels built for AVX2 (PAGEDSERVE_CPU_ISA=avx2) with torch's own
@@ -35,6 +43,13 @@ LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
 CACHE=${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}
 LLAMA=$CACHE/llama.cpp-$LLAMA_CPP_PYTHON
 ISA=${ISA:-native}
+MODEL=${MODEL:-smollm2}
+PS_Q8_DTYPE=${PS_Q8_DTYPE:-bfloat16}
+case $MODEL in
+    smollm2) GGUF_PREFIX=model ;;
+    llama1b) GGUF_PREFIX=llama1b ;;
+    *) echo "MODEL=$MODEL: expected smollm2 or llama1b" >&2; exit 2 ;;
+esac
 case $ISA in
     native) BUILD=$LLAMA/build; GGML_ISA=(-DGGML_NATIVE=ON) ;;
     avx2)
@@ -52,7 +67,24 @@ ISA_NOTE=$([[ $ISA == native ]] || echo ", $ISA paths")
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUT" "$LLAMA"
 part() { [[ $PARTS == *" $1 "* ]]; }
-gguf_type() { case $1 in bfloat16) echo bf16 ;; float32) echo f32 ;; *) echo "unknown dtype $1" >&2; exit 2 ;; esac; }
+gguf_type() {
+    case $1 in bfloat16) echo bf16 ;; float32) echo f32 ;; q8_0) echo q8_0 ;; *) echo "unknown dtype $1" >&2; exit 2 ;; esac
+}
+gguf_file() { echo "$LLAMA/$GGUF_PREFIX-$(gguf_type "$1").gguf"; }
+# The benchmark model's HF folder (the default model converted once, or the random 1.17B Llama built once).
+model_dir() {
+    case $MODEL in
+        smollm2) "$PY" -c 'from engine.loader import default_model_path; print(default_model_path())' ;;
+        llama1b) nice "$PY" benchmarks/bench_model.py "$CACHE/models/bench-llama-1.17b" ;;
+    esac
+}
+# pagedserve's flags for one dtype: the HF folder in that dtype, or (q8_0) the Q8_0 GGUF served natively.
+pagedserve_model() {
+    case $1 in
+        q8_0) echo --model "$(gguf_file q8_0)" --dtype "$PS_Q8_DTYPE" ;;
+        *) [[ $MODEL == smollm2 ]] && echo --dtype "$1" || echo --model "$(model_dir)" --dtype "$1" ;;
+    esac
+}
 
 build_llama_server() {
     [[ -x $SERVER ]] && return
@@ -73,14 +105,14 @@ build_llama_server() {
 # The default model as the converted HF folder (engine/loader.py), then as one GGUF per dtype.
 convert_ggufs() {
     local model
-    model=$("$PY" -c 'from engine.loader import default_model_path; print(default_model_path())')
+    model=$(model_dir)
     if [[ ! -d $LLAMA/pydeps ]]; then  # beside pagedserve's own packages (torch, transformers, numpy)
         "$PY" -m pip install -q --no-deps --target "$LLAMA/pydeps.partial" sentencepiece
         mv "$LLAMA/pydeps.partial" "$LLAMA/pydeps"
     fi
     for dtype in $DTYPES; do
         local out
-        out=$LLAMA/model-$(gguf_type "$dtype").gguf
+        out=$(gguf_file "$dtype")
         [[ -f $out ]] && continue
         PYTHONPATH="$LLAMA/src/vendor/llama.cpp/gguf-py:$LLAMA/pydeps" \
             "$PY" "$LLAMA/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$model" \
@@ -122,10 +154,11 @@ if part served; then
             for ((rep = 1; rep <= REPEAT; rep++)); do
                 suffix=$([[ $REPEAT -gt 1 ]] && echo "_r$rep" || true)
                 PORT=$(port); serve "llama.cpp ($dtype GGUF$ISA_NOTE)" "peers_llamacpp_${dtype}_c$c$suffix" "$c" \
-                    "$SERVER" -m "$LLAMA/model-$(gguf_type "$dtype").gguf" --host 127.0.0.1 --port "$PORT" \
+                    "$SERVER" -m "$(gguf_file "$dtype")" --host 127.0.0.1 --port "$PORT" \
                     -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512))
+                # shellcheck disable=SC2046  # the model flags are words
                 PORT=$(port); serve "pagedserve ($dtype$ISA_NOTE)" "peers_pagedserve_${dtype}_c$c$suffix" "$c" \
-                    "$PY" -m server.cli serve --port "$PORT" --disable-log-stats --dtype "$dtype"
+                    "$PY" -m server.cli serve --port "$PORT" --disable-log-stats $(pagedserve_model "$dtype")
             done
         done
     done

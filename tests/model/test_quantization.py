@@ -173,3 +173,10 @@ def test_quantization_is_refused_where_it_cannot_run(tiny_llama_dir):
 def test_default_model_stays_float(tiny_llama_dir):
     model = _load(model=str(tiny_llama_dir))
     assert not _packed_linears(model)
+
+
+def test_cli_quantization_flag_reaches_the_engine_config():
+    from server.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["serve", "--quantization", "int8"])).quantization == "int8"
+    assert config_from_args(build_parser().parse_args(["serve"])).quantization is None

@@ -1,0 +1,100 @@
+"""A random-weight Llama at 1B shapes, as an HF folder, for the memory-bound benchmarks (issue 42).
+
+    .venv/bin/python benchmarks/bench_model.py OUT_DIR     # ~2.4 GB of bfloat16 safetensors, SmolLM2's tokenizer
+
+1.17B parameters: hidden 2048, 16 layers, 32 query and 8 key/value heads (head 64), MLP 8192, SmolLM2's vocabulary
+(49152), an untied head; Llama 3.2 1B's layer shapes. Weights are N(0, 0.02) (norms one), drawn in-process from a
+fixed seed: nothing is downloaded. One decode step at one stream reads 2.35 GB of bfloat16 weights (1.25 GB as
+Q8_0), so the linears are bound by the memory's speed, unlike the 135M default model. benchmarks/peers.sh
+(MODEL=llama1b) converts the folder to GGUF bf16 and Q8_0 for llama.cpp.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+CONFIG = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=49152,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    hidden_act="silu", bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", attention_bias=False,
+    mlp_bias=False,
+)
+LAYERS_PER_SHARD = 4
+
+
+def _tensors(layers: range, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    c = CONFIG
+    h, inter, q, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"] * c["head_dim"], \
+        c["num_key_value_heads"] * c["head_dim"]
+    out = {}
+    for i in layers:
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                  "self_attn.o_proj": (h, q), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                  "mlp.down_proj": (h, inter)}
+        for name, shape in shapes.items():
+            out[f"{p}{name}.weight"] = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
+        out[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        out[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    return out
+
+
+def build(target: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """Write the model into `target` (atomically: a finished folder or none)."""
+    from safetensors.torch import save_file
+
+    if (target / "config.json").exists():
+        return target
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    c, weight_map, files = CONFIG, {}, []
+    shards = [range(i, min(i + LAYERS_PER_SHARD, c["num_hidden_layers"]))
+              for i in range(0, c["num_hidden_layers"], LAYERS_PER_SHARD)]
+    for n, layers in enumerate(shards):
+        tensors = _tensors(layers, gen)
+        if n == 0:
+            tensors["model.embed_tokens.weight"] = (torch.randn(c["vocab_size"], c["hidden_size"], generator=gen)
+                                                    * 0.02).bfloat16()
+        if n == len(shards) - 1:
+            tensors["model.norm.weight"] = torch.ones(c["hidden_size"], dtype=torch.bfloat16)
+            tensors["lm_head.weight"] = (torch.randn(c["vocab_size"], c["hidden_size"], generator=gen)
+                                         * 0.02).bfloat16()
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        files.append(name)
+        del tensors
+    total = sum((tmp / f).stat().st_size for f in files)
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tokenizer_from / f).exists():
+            shutil.copy(tokenizer_from / f, tmp / f)
+    os.rename(tmp, target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from engine.loader import default_model_path
+
+    print(build(args.out, default_model_path(), args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
