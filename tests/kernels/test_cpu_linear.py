@@ -155,6 +155,7 @@ def test_bfloat16_goes_to_the_small_row_kernel_alone_where_onednn_cannot_pack_it
     from engine import cpu_linear, ops
 
     monkeypatch.setattr(cpu_linear, "_onednn_packs_bf16", lambda: False)
+    monkeypatch.setattr(cpu_linear, "_cpu_has_amx", lambda: False)  # nor AMX (this test ran on a Xeon with it)
     monkeypatch.setattr(ops, "small_gemm_isa", lambda: ops.SMALL_GEMM_AVX2)
     assert packed_dtypes() == (torch.float32, torch.bfloat16)
     ref, model = _bfloat16_held_once()

