@@ -252,17 +252,19 @@ class AsyncLLMEngine:
                         stats.num_running + stats.num_waiting + stats.num_swapped, 100 * stats.device_cache_usage)
 
     async def _stop_engine(self, timeout_s: float = 15.0) -> None:
-        """Stop the engine's other ranks (tensor parallelism): in the step thread, after any step still running,
-        so the stop message never crosses a step's collectives; forcibly when the engine is dead or that hangs."""
+        """Stop the engine's other ranks (tensor parallelism) in the step thread, after any step still running:
+        neither the stop message nor the group's teardown may cross a step's collectives (a dead engine's too:
+        its last step may still be in one). Forcibly, from here, when that takes longer than timeout_s."""
         close = getattr(self.engine, "shutdown", None)
         if close is None:
             return
-        if self._dead is None:
-            try:
-                await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._executor, close), timeout_s)
-                return
-            except Exception as exc:  # a step stuck in a collective, or the stop failed: end the ranks anyway
-                logger.error("the engine did not stop cleanly (%r); ending its ranks", exc)
+        graceful = self._dead is None  # a dead engine's ranks get no stop message
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                self._executor, lambda: close(graceful=graceful)), timeout_s)
+            return
+        except Exception as exc:  # a step stuck in a collective, or the stop failed: end the ranks anyway
+            logger.error("the engine did not stop cleanly (%r); ending its ranks", exc)
         close(graceful=False)
 
     def _fatal_from_thread(self, exc: BaseException) -> None:

@@ -63,9 +63,10 @@ FATAL_EXIT_WAIT_S = 2.0
 class TPWorkers:
     """The driver's side of ranks 1..N-1: step broadcasts, health, shutdown."""
 
-    def __init__(self, tp: TPGroup, processes: list) -> None:
+    def __init__(self, tp: TPGroup, processes: list, num_threads: Optional[int] = None) -> None:
         self.tp = tp
         self.processes = processes  # spawned ranks (multiprocessing.Process); empty under torchrun
+        self._num_threads = num_threads  # torch's thread count before start(); shutdown restores it
         self.dead_reason: Optional[str] = None
         self.on_death: Optional[Callable[[TensorParallelError], None]] = None
         self._stopping = False
@@ -76,30 +77,34 @@ class TPWorkers:
     def start(cls, config: EngineConfig, device: torch.device) -> tuple["TPWorkers", TPGroup]:
         """Start (or, under torchrun, meet) the other ranks and join the group as rank 0."""
         world = config.tensor_parallel_size
-        if device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(world))
         env = torchrun_env()
+        if env is not None and (env[0] != 0 or env[1] != world):
+            raise StartupError(f"--tensor-parallel-size {world} does not match this torchrun launch (RANK "
+                               f"{env[0]}, WORLD_SIZE {env[1]}): rank 0 serves, the others run the worker.")
+        # On CPU this rank computes on its share of the cores while the ranks run (torch's thread count is
+        # process-wide: shutdown gives the process its own count back).
+        num_threads = torch.get_num_threads() if device.type == "cpu" else None
+        if num_threads is not None:
+            torch.set_num_threads(cpu_threads_per_rank(world))
         processes = []
-        if env is not None:
-            rank, env_world = env
-            if rank != 0 or env_world != world:
-                raise StartupError(f"--tensor-parallel-size {world} does not match this torchrun launch (RANK "
-                                   f"{rank}, WORLD_SIZE {env_world}): rank 0 serves, the others run the worker.")
-            addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-        else:
-            addr, port = "127.0.0.1", free_port()
-            ctx = multiprocessing.get_context("spawn")  # fork would copy a process that already runs threads
-            for rank in range(1, world):
-                p = ctx.Process(target=_spawned_main, args=(config, rank, world, addr, port),
-                                name=f"pagedserve-tp{rank}", daemon=True)
-                p.start()
-                processes.append(p)
         try:
+            if env is not None:
+                addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+            else:
+                addr, port = "127.0.0.1", free_port()
+                ctx = multiprocessing.get_context("spawn")  # fork would copy a process that already runs threads
+                for rank in range(1, world):
+                    p = ctx.Process(target=_spawned_main, args=(config, rank, world, addr, port),
+                                    name=f"pagedserve-tp{rank}", daemon=True)
+                    p.start()
+                    processes.append(p)
             tp = init_tp_group(0, world, device, addr, port, config.distributed_timeout, from_env=env is not None)
         except BaseException:
             _end(processes, timeout_s=0.0)
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
             raise
-        return cls(tp, processes), tp
+        return cls(tp, processes, num_threads), tp
 
     def send_step(self, out, inp: Optional[ModelInput]) -> None:
         """Broadcast one step (the scheduler's cache moves and the forward's input, if any)."""
@@ -163,6 +168,8 @@ class TPWorkers:
                 logger.warning("tensor-parallel stop message failed: %s", exc)
         _end(self.processes)
         self.tp.destroy()
+        if self._num_threads is not None:
+            torch.set_num_threads(self._num_threads)
 
 
 def _end(processes: list, timeout_s: float = _JOIN_TIMEOUT_S) -> None:

@@ -118,6 +118,70 @@ def test_one_tensor_parallel_engine_per_process(tiny_llama_dir):
         first.shutdown()
 
 
+def test_the_thread_count_is_the_ranks_share_until_shutdown(tiny_llama_dir):
+    """torch's thread count is process-wide: rank 0 takes its share of the cores while it runs, then gives the
+    process its own count back."""
+    from engine import LLM
+    from engine.distributed import cpu_threads_per_rank
+
+    share, before = cpu_threads_per_rank(2), torch.get_num_threads()
+    torch.set_num_threads(share + 2)
+    try:
+        llm = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
+        try:
+            assert torch.get_num_threads() == share
+        finally:
+            llm.shutdown()
+        assert torch.get_num_threads() == share + 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_dead_engines_shutdown_waits_for_the_step_in_flight(tiny_llama_dir):
+    """A rank dies while rank 0's step thread is inside a step: the shutdown tears the group down only after that
+    step is over (destroying it under a step still in a collective is undefined behaviour)."""
+    import asyncio
+    import threading
+
+    import torch.distributed as dist
+    from engine.async_engine import AsyncLLMEngine
+    from engine.config import EngineConfig
+
+    in_step, release, group_alive_at_step_end = threading.Event(), threading.Event(), []
+
+    def hold_the_step(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward":
+            in_step.set()
+            release.wait(60)
+            group_alive_at_step_end.append(dist.is_initialized())
+            raise RuntimeError("this step ends here")  # no collective on a group that may be gone
+
+    async def run() -> None:
+        engine = AsyncLLMEngine.from_config(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY),
+                                            log_stats=False)
+        engine.engine.fault_injector = hold_the_step
+        reader = asyncio.ensure_future(engine.generate("r", prompt_token_ids=[1, 2, 3], params=greedy(4)).__anext__())
+        assert await asyncio.to_thread(in_step.wait, 60)
+        engine.engine.workers.processes[0].kill()
+        for _ in range(600):  # the watcher thread sees the rank's exit: the engine is dead
+            if engine.errored:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.errored
+        threading.Timer(1.0, release.set).start()
+        await engine.shutdown()
+        assert group_alive_at_step_end == [True], "the group was torn down under the running step"
+        assert not dist.is_initialized()
+        reader.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_llama_dir):
     from engine import LLM
 
