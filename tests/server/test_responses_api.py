@@ -143,7 +143,8 @@ def test_a_stream_the_engine_ends_early_fails_instead_of_completing(client, real
             _abort_when_running(real_server.engine, events[0].response.id)
     last = events[-1]
     assert last.type == "response.failed" and last.response.status == "failed", [e.type for e in events[-3:]]
-    assert last.response.error.code == "server_error" and "before its output was finished" in last.response.error.message
+    error = last.response.error
+    assert error.code == "server_error" and "before its output was finished" in error.message
     assert last.response.output[0].status == "incomplete"
     assert last.response.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert [e.sequence_number for e in events] == list(range(len(events)))
