@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from engine.openmp import apply_serving_default  # no torch import
 from tiny_models import save_random_model, tiny_llama_config, tiny_llama_hd64_config
 
 # Never reach a model hub from the tests.
 os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `pagedserve serve` sets it (server/cli.py)
+# OpenMP's idle workers as `pagedserve serve` sets them (server/cli.py), before anything loads torch: the tests,
+# and the servers they spawn, run the served setting (unless the environment already chose one, as serve allows).
+apply_serving_default()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
