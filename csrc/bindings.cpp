@@ -246,7 +246,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("isa") = 0,
         "out = silu(gate) * up of x @ W^T (+ bias) = [gate | up], fused; false when this path has no fused tiles");
   m.def("llama_decode_layers", &llama_decode_layers, release_gil(),
-        "every decoder layer of a Llama-family CPU step in one call (the kernels above, in the eager order)");
+        "every decoder layer of a Llama-family CPU step in one call (the eager layers' arithmetic in their order; "
+        "gate/up and its activation in one small_gemm_glu where the path has fused tiles)");
   m.def("decode_layer_slots", &pagedserve::cpu::decode_layer_slots, "tensors per layer in llama_decode_layers");
   m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
   m.def("q8_gemm", &q8_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"),

@@ -137,8 +137,9 @@ class ModelRunner:
         return logits, prompt_logits
 
     # ---- CPU decode split across cores ------------------------------------------------------------------
-    # A decode step at batch 32 runs ~120 small GEMMs; with the OpenMP team on every one, the helper thread is
-    # woken (OMP_WAIT_POLICY=PASSIVE: tens of microseconds on a VM) and joined at a barrier ~150 times a step.
+    # A decode step at batch 32 runs ~120 small GEMMs; with the OpenMP team on every one, the two threads meet at
+    # a barrier ~150 times a step (a wait on the slower one each time, and a wake-up of tens of microseconds on a
+    # VM where the helper slept: past GOMP_SPINCOUNT, or under OMP_WAIT_POLICY=PASSIVE, engine/openmp.py).
     # Instead each core forwards its own shard of the sequences with one thread: no wake-ups, no barriers, one
     # hand-off per step. Each core reads every weight, which costs little at these batch sizes (SPLIT_MIN_ROWS).
     # The tokens are the same as one forward's up to GEMM summation order (as any change of batch size).

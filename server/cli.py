@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds the tensor-parallel ranks wait for each other to start, and in any collective")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="run every step op by op in Python (the reference path). By default a CPU step "
-                            "(decode and prefill) runs all its layers in one compiled call (same kernels, same "
-                            "tokens and logprobs); CUDA steps always run eagerly (no CUDA graphs yet)")
+                            "(decode and prefill) runs all its layers in one compiled call (the eager arithmetic "
+                            "in its order, the MLP's gate/up linear and activation fused into one kernel on AVX-512: "
+                            "the same tokens and logprobs); CUDA steps always run eagerly (no CUDA graphs yet)")
     serve.add_argument("--grammar-cache-mb", type=float, default=16.0,
                        help="MiB of compiled structured-output grammars kept, least recently used dropped first")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -1,7 +1,9 @@
-// Work sharing for the attention kernels, tuned for OMP_WAIT_POLICY=PASSIVE
-// (engine/__init__.py): a thread that waits at a barrier sleeps, and waking it
-// costs tens of microseconds (measured ~30 us on a 2-vCPU VM), as much as a
-// decode step's attention for a small batch. So a parallel region has no
+// Work sharing for the attention kernels. A thread that waits at a barrier spins
+// (GOMP_SPINCOUNT=4000 under `pagedserve serve`, engine/openmp.py), holding a core
+// the caller or another process could use, then sleeps; under OMP_WAIT_POLICY=PASSIVE
+// (a crowded machine's choice) it sleeps at once, and waking it costs tens of
+// microseconds (measured ~30 us on a 2-vCPU VM), as much as a decode step's
+// attention for a small batch. So a parallel region has no
 // barrier but its closing one, and the calling thread arrives there last:
 // helper threads stop taking items while a few remain, the caller takes them.
 #pragma once

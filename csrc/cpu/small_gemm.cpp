@@ -23,8 +23,9 @@
 // vdpbf16ps a bfloat16 pair is widened by two integer ops: (pair << 16) is the even k, (pair & 0xffff0000)
 // the odd one.
 //
-// Threads: the 16-column blocks are split in contiguous ranges over the caller's OpenMP threads (N is the only
-// parallel axis at a few rows); tiny layers run on the calling thread.
+// Threads: the 16-column blocks are shared over the caller's OpenMP threads (N is the only parallel axis at a few
+// rows): up to kSmallRows rows in pieces each thread takes as it finishes one, above that one contiguous range a
+// thread (over_threads); tiny layers run on the calling thread.
 #include <omp.h>
 
 #include <algorithm>

@@ -1,9 +1,10 @@
 """A CPU step's decoder layers in one compiled call (csrc/cpu/decode_layers.cpp) instead of op-by-op Python.
 
 The eager layers (engine/models/llama.py) call ~12 ops per layer through Python; at one sequence that costs
-~150 us a layer (docs/benchmarks.md, "Compiled decode step"). llama_decode_layers runs the same kernels in the
-same order on the same buffers from C++, so its result is bit-identical to the eager forward's: only the Python
-between the kernels is gone. It was built for decode steps, where those calls were ~25 % of the step; it runs
+~150 us a layer (docs/benchmarks.md, "Compiled decode step"). llama_decode_layers runs the eager layers'
+arithmetic in their order on the same buffers from C++ (the MLP's gate/up linear and its activation as one kernel,
+small_gemm_glu, on the AVX-512 paths: the same bits), so its result is bit-identical to the eager forward's: only
+the Python between the kernels is gone. It was built for decode steps, where those calls were ~25 % of the step; it runs
 prefill and mixed prefill + decode steps too (their prompts with or without a cached prefix), which saves the
 same few milliseconds of a first token. The eager path stays the reference: `--enforce-eager`
 (EngineConfig.enforce_eager) switches this one off, and every step it does not cover runs eagerly:
