@@ -112,8 +112,10 @@ def instrument(engine, timer: StageTimer) -> None:
     timer.wrap(engine.model_runner, "_split_decode", "forward")  # a decode batch split across the cores
     timer.wrap(engine.model_runner.model, "forward", "forward")
     timer.wrap(engine.model_runner.model, "compute_logits", "forward")
-    timer.wrap(engine, "sampler", "sampling")
+    timer.wrap(engine.sampler, "sample", "sampling")
+    timer.wrap(engine.sampler, "sample_rows", "sampling")
     timer.wrap(engine.output_processor, "process", "output processing")
+    timer.wrap(engine.output_processor, "process_rows", "output processing")
     timer.wrap(engine.output_processor, "to_request_output", "output processing")
 
 

@@ -154,15 +154,20 @@ def _pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     return w.view(-1, SMALL_BLOCK, w.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous().view(-1)
 
 
-def forward_float32(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def forward_float32(linear: nn.Linear, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """linear(x).float() for x [rows, in_features]. A bfloat16 linear on the small-row kernel writes its bfloat16
     result widened to float32 directly (the same values): a head's [rows, vocab] logits are not written in
-    bfloat16 and then copied (at 32 decode rows of SmolLM2, ~0.5 ms of a ~36 ms step on a Zen 4)."""
+    bfloat16 and then copied (at 32 decode rows of SmolLM2, ~0.5 ms of a ~36 ms step on a Zen 4).
+    `out` ([rows, out_features] float32, rows contiguous): where the small-row kernel writes the result, so that a
+    caller reusing one buffer does not fault in fresh pages for a vocabulary-wide result every step; the result is
+    the returned tensor either way."""
     small = getattr(linear, "_small_weight", None)
-    if (small is not None and small.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.dim() == 2
+    if (small is not None and small.dtype in (torch.bfloat16, torch.float32) and x.dtype == small.dtype
+            and (small.dtype == torch.bfloat16 or out is not None) and x.dim() == 2
             and x.device.type == "cpu" and x.shape[-1] == linear.in_features
             and x.shape[0] <= linear._small_max_rows):
-        out = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
         return ops.small_gemm(out, x if x.stride(-1) == 1 else x.contiguous(), small, linear.bias)
     return linear(x).float()
 

@@ -28,8 +28,6 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# torchrun's variables; WORLD_SIZE > 1 with RANK set means this process is one rank of a torchrun launch.
-ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # The step broadcast waits as long as the server idles between requests: its group never times out on its own.
 # A driver that dies closes the sockets, which ends the wait at once (worker loop, engine/tp_workers.py).
 _IDLE_WAIT = datetime.timedelta(days=365)

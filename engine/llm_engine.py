@@ -15,10 +15,10 @@ from engine.distributed import TPGroup, torchrun_env
 from engine.faults import ADMISSION, STAGES, FaultInjector, StepError, block_problems
 from engine.loader import load_hf_config, resolve_device
 from engine.models.llama import ModelArgs
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, RowStops
 from engine.prompt_logprobs import add_prompt_logprobs
 from engine.protocol import EngineStats
-from engine.sampler import Sampler
+from engine.sampler import BatchParams, RowSamples, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
@@ -27,6 +27,17 @@ from engine.tp_workers import TensorParallelError, TPWorkers
 from engine.worker import RankState
 
 logger = logging.getLogger(__name__)
+
+
+class _StepBatch:
+    """What the engine keeps for the steps of one steady decode: its rows by group, their sampling parameters and
+    stop data as arrays (built at its first decode-only step, not per step)."""
+
+    def __init__(self, version: int, scheduled, eos_token_id: Optional[int], max_model_len: int) -> None:
+        self.version = version
+        self.rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in scheduled]
+        self.params = BatchParams(self.rows)
+        self.stops = RowStops(self.rows, eos_token_id, max_model_len)
 
 
 class LLMEngine:
@@ -56,6 +67,7 @@ class LLMEngine:
         self.model, self.tokenizer, self.hf_config = loaded.model, loaded.tokenizer, loaded.hf_config
         self.device, self.dtype = loaded.device, loaded.dtype
         self.model_runner.workers = self.workers
+        self.model_runner.reuse_logits = True  # a step's logits are read within the step
         num_device_blocks, num_cpu_blocks = self.cache_engine.num_device_blocks, self.cache_engine.num_cpu_blocks
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -93,6 +105,7 @@ class LLMEngine:
         self.sampler = Sampler(eos_token_id=self.eos_token_id, seed=self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.config.max_model_len, self.eos_token_id,
                                                 self.seq_counter)
+        self._batch: Optional[_StepBatch] = None
 
     # -- requests -------------------------------------------------------------
 
@@ -153,9 +166,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
 
-    def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_seq_groups()
-
     # -- the step -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -196,14 +206,25 @@ class LLMEngine:
                 self.workers.send_step(out, None)  # the other ranks' caches make the same moves
             return outputs
 
-        # A prompt chunk short of the prompt's end (chunked prefill) samples nothing and reports nothing yet.
-        rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled if sg.do_sample]
-        self._prompt_tokens_total += sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
+        batch = self._step_batch(out)
+        if batch is not None:  # a decode-only step of a steady decode: its rows and parameters are kept
+            rows = batch.rows
+        else:  # a prompt chunk short of the prompt's end (chunked prefill) samples nothing and reports nothing yet
+            rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled if sg.do_sample]
+            self._prompt_tokens_total += sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
         logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.device_cache,
                                                           at=lambda stage: self._at(stage, scheduled))
         add_prompt_logprobs(out, prompt_logits)
         self.scheduler.update_computed(out)
         self._at("sampler", scheduled)
+        # One pass when every row draws one plain token; the per-sample path otherwise (and under fault injection,
+        # whose stages name requests one at a time, or a sampler stood in by a plain callable).
+        sample_rows = getattr(self.sampler, "sample_rows", None)
+        fast = (sample_rows(logits, rows, batch.params if batch is not None else None)
+                if sample_rows is not None and self.fault_injector is None else None)
+        if fast is not None:
+            return self._process_rows(out, rows, fast, batch, outputs)
+        self._batch = None  # (its stop data counts the fast path's steps)
         samples = self.sampler(logits, rows)
         self._generation_tokens_total += sum(len(seqs) for _, seqs in rows)
 
@@ -223,6 +244,39 @@ class LLMEngine:
         if failed:
             _, stage, exc = failed[0]
             raise StepError(stage, exc, self._end([g for g, _, _ in failed]), outputs) from exc
+        return outputs
+
+    def _step_batch(self, out) -> Optional[_StepBatch]:
+        """The kept rows of a decode-only step of the scheduler's steady decode (made at its first step)."""
+        steady = out.steady
+        if steady is None or len(out.scheduled) != len(steady.scheduled):
+            self._batch = None
+            return None
+        if self._batch is None or self._batch.version != steady.version:
+            self._batch = _StepBatch(steady.version, steady.scheduled, self.eos_token_id, self.config.max_model_len)
+        return self._batch
+
+    def _process_rows(self, out, rows, samples: RowSamples, batch: Optional[_StepBatch],
+                      outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs of a step whose every row drew one token: stop checks over the batch's arrays first."""
+        self.model_runner.record_sampled(samples.token_ids)
+        token_ids, logprobs = samples.token_ids.tolist(), samples.logprobs.tolist()
+        self._generation_tokens_total += len(token_ids)
+        stops = batch.stops if batch is not None else RowStops(rows, self.eos_token_id, self.config.max_model_len)
+        self._stage = "output_processor"
+        actions, finished, failed = self.output_processor.process_rows(
+            rows, token_ids, logprobs, stops.flagged(samples.token_ids.numpy()))
+        self.scheduler.apply(actions)
+        now = time.monotonic()
+        for group in finished:
+            group.metrics.finished_time = now
+        to_output = self.output_processor.to_request_output
+        bad = {id(group) for group, _ in failed}
+        outputs += [to_output(group) for group, _ in rows if id(group) not in bad]
+        self.scheduler.free_finished_seq_groups(finished)
+        if failed:
+            exc = failed[0][1]
+            raise StepError("output_processor", exc, self._end([g for g, _ in failed]), outputs) from exc
         return outputs
 
     def _at(self, stage: str, groups: Iterable[SequenceGroup]) -> None:

@@ -78,6 +78,46 @@ class ModelInput(NamedTuple):
                           self.prompt_rows)
 
 
+class DecodeBatch:
+    """The input of a steady decode (engine/scheduler.py's SteadyDecode), kept between its steps.
+
+    Each step every row moves one position on: its position, context length and slot grow by one, its token is
+    the one sampled for it in the step before (`record_sampled`), and only the rows entering a new block
+    (`SchedulerOutput.steady_grown`) read their block table again. Nothing is rebuilt from the sequences.
+    """
+
+    def __init__(self, version: int, steps: int, inp: ModelInput, block_size: int) -> None:
+        self.version, self.steps, self.inp, self.block_size = version, steps, inp, block_size
+        self.next_tokens: Optional[torch.Tensor] = None  # [num_rows] int64, sampled in the last step
+
+    def advance(self, out, input_device: torch.device) -> ModelInput:
+        """The next step's input: every row one token on, in place."""
+        steady, inp, bs = out.steady, self.inp, self.block_size
+        meta = inp.meta
+        if self.next_tokens is not None:
+            inp.input_ids.copy_(self.next_tokens)
+        else:  # the engine did not hand the step's tokens over (a caller of the runner alone)
+            inp.input_ids.copy_(torch.tensor([seq.get_last_token_id() for _, seq in steady.rows], dtype=torch.int64))
+        self.next_tokens = None
+        inp.positions.add_(1)
+        meta.decode_context_lens.add_(1)
+        meta.slot_mapping.add_(1)  # the next slot of the same block, except for the rows entering a new one
+        if out.steady_grown:
+            tables = meta.decode_block_tables
+            width = max(len(out.block_tables[steady.rows[row][1].seq_id]) for row in out.steady_grown)
+            if width > tables.shape[1]:
+                wider = torch.zeros(tables.shape[0], width, dtype=tables.dtype, device=tables.device)
+                wider[:, : tables.shape[1]] = tables
+                tables = meta.decode_block_tables = wider
+            for row in out.steady_grown:
+                table = out.block_tables[steady.rows[row][1].seq_id]
+                position = int(inp.positions[row])
+                tables[row, : len(table)] = torch.tensor(table, dtype=tables.dtype)
+                meta.slot_mapping[row] = table[position // bs] * bs + position % bs
+        self.steps = steady.steps
+        return inp
+
+
 class ModelRunner:
     """Runs the model on the sequences a SchedulerOutput schedules; prefill and decode alike."""
 
@@ -100,6 +140,26 @@ class ModelRunner:
         candidates = candidates_for(self.device) if attn is not None else []
         self.prefill_kernel = select_prefill_kernel(candidates, ProbeShape(
             attn.num_heads, attn.num_kv_heads, attn.head_size, dtype, self.device)) if candidates else None
+        self.batch: Optional[DecodeBatch] = None  # the steady decode's input, kept between its steps
+        # True (the engine, which reads a step's logits before the next step): the head writes each step's logits
+        # into one kept buffer instead of a fresh [rows, vocab] allocation whose pages fault in every step.
+        self.reuse_logits = False
+        self._logits_buffer: Optional[torch.Tensor] = None
+
+    def _logits_out(self, rows: int) -> Optional[torch.Tensor]:
+        """[rows, vocab] float32 of the kept buffer, or None (not reusing, or not on the CPU)."""
+        if not self.reuse_logits or self.device.type != "cpu" or self.tp.world_size > 1:
+            return None
+        buf = self._logits_buffer
+        if buf is None or buf.shape[0] < rows:
+            buf = self._logits_buffer = torch.empty(max(rows, 2 * (buf.shape[0] if buf is not None else 0)),
+                                                    self.model.args.vocab_size, dtype=torch.float32)
+        return buf[:rows]
+
+    def record_sampled(self, token_ids: torch.Tensor) -> None:  # [num_rows] int64, in the step's row order
+        """The tokens sampled in this step: the next step's input if it continues the steady decode."""
+        if self.batch is not None and token_ids.shape[0] == self.batch.inp.input_ids.shape[0]:
+            self.batch.next_tokens = token_ids
 
     @torch.inference_mode()
     def execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None] = _no_fault,
@@ -132,7 +192,8 @@ class ModelRunner:
         inp = inp.to(self.device)
         inp.meta.prefill_batch = self._prefill_batch(inp.meta.prefills)
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.meta)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [num_rows, vocab]
+        logits = self.model.compute_logits(hidden[inp.logits_indices],  # [num_rows, vocab]
+                                           self._logits_out(inp.logits_indices.shape[0]))
         prompt_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in inp.prompt_rows.items()}
         return logits, prompt_logits
 
@@ -156,15 +217,22 @@ class ModelRunner:
         threads = [self._threads // shards + (1 if i < self._threads % shards else 0) for i in range(shards)]
         if self._shard_pool is None:  # created from the step thread: the workers inherit its scheduling priority
             self._shard_pool = ThreadPoolExecutor(max_workers=SPLIT_MAX_SHARDS - 1, thread_name_prefix="decode-shard")
+        out = self._logits_out(n)  # each shard's head writes its rows of it: no concatenation of the logits
+        outs = [None if out is None else out[bounds[i]:bounds[i + 1]] for i in range(shards)]
         futures = [
-            self._shard_pool.submit(self._forward_shard, inp, bounds[i], bounds[i + 1], kv_caches, threads[i])
+            self._shard_pool.submit(self._forward_shard, inp, bounds[i], bounds[i + 1], kv_caches, threads[i],
+                                    outs[i])
             for i in range(1, shards)
         ]
-        first = self._forward_shard(inp, bounds[0], bounds[1], kv_caches, threads[0])
-        return torch.cat([first] + [f.result() for f in futures])  # [num_rows, vocab], rows in order
+        first = self._forward_shard(inp, bounds[0], bounds[1], kv_caches, threads[0], outs[0])
+        parts = [first] + [f.result() for f in futures]
+        if out is not None and all(p.data_ptr() == o.data_ptr() for p, o in zip(parts, outs)):
+            return out
+        return torch.cat(parts)  # [num_rows, vocab], rows in order
 
     @torch.inference_mode()  # thread-local: the pool's threads need their own
-    def _forward_shard(self, inp: ModelInput, a: int, b: int, kv_caches: list[KVCache], threads: int) -> torch.Tensor:
+    def _forward_shard(self, inp: ModelInput, a: int, b: int, kv_caches: list[KVCache], threads: int,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=inp.meta.slot_mapping[a:b],
             decode_block_tables=inp.meta.decode_block_tables[a:b],
@@ -172,9 +240,22 @@ class ModelRunner:
         )
         with ops.thread_omp_threads(threads):
             hidden = self.model(inp.input_ids[a:b], inp.positions[a:b], kv_caches, meta)
-            return self.model.compute_logits(hidden)  # decode rows: logits_indices is arange(num_rows)
+            return self.model.compute_logits(hidden, out)  # decode rows: logits_indices is arange(num_rows)
 
     def prepare(self, out) -> Optional[ModelInput]:
+        """The step's input: the steady decode's batch moved one token on, or built from the scheduled groups."""
+        steady, batch = getattr(out, "steady", None), self.batch
+        decode_only = steady is not None and len(out.scheduled) == len(steady.scheduled)
+        if (decode_only and batch is not None and batch.version == steady.version
+                and batch.steps + 1 == steady.steps and self._input_device.type == "cpu"):
+            return batch.advance(out, self._input_device)
+        inp = self._build(out)
+        # A decode-only step of a steady decode starts a batch that its next steps advance.
+        self.batch = (DecodeBatch(steady.version, steady.steps, inp, self.block_size)
+                      if decode_only and inp is not None and self._input_device.type == "cpu" else None)
+        return inp
+
+    def _build(self, out) -> Optional[ModelInput]:
         """Flatten the scheduled sequences: the prefill groups' spans first, then one token per decode row."""
         prefill_rows: list[_Row] = []
         decode_rows: list[_Row] = []

@@ -5,6 +5,8 @@ import logging
 import time
 from typing import Callable, Iterator, Optional
 
+import numpy as np
+
 from engine.detokenizer import Detokenizer
 from engine.sampler import Sample
 from engine.sampling_params import SamplingParams
@@ -43,6 +45,39 @@ def _keep(group: SequenceGroup, kept: list[tuple[Sequence, Sequence]], actions: 
                 actions.forks.append((parent, seq))
         elif seq.is_finished():
             actions.frees.append(seq)
+
+
+class RowStops:
+    """Per-row stop data of a batch as arrays, built when the batch changes (a steady decode keeps them, each
+    step one token longer): the ids that end a row (EOS unless ignore_eos, stop_token_ids), its length cap
+    (max_tokens, max_model_len), whether it has stop strings. A sampled id is checked against them over the
+    whole batch at once; only the rows they flag go through the stop checks one by one."""
+
+    def __init__(self, groups: list[tuple[SequenceGroup, list[Sequence]]], eos_token_id: Optional[int],
+                 max_model_len: int) -> None:
+        stop_ids, caps, lens, strings = [], [], [], []
+        for group, seqs in groups:
+            p = group.sampling_params
+            ids = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+            for seq in seqs:
+                prompt_len = len(seq.prompt_token_ids)
+                stop_ids.append(ids)
+                caps.append(max_model_len if p.max_tokens is None else min(max_model_len, prompt_len + p.max_tokens))
+                lens.append(seq.get_len())
+                strings.append(bool(p.stop))
+        width = max((len(ids) for ids in stop_ids), default=0) or 1
+        self.stop_ids = np.full((len(stop_ids), width), -1, dtype=np.int64)  # [num_rows, width]; -1: none
+        for row, ids in enumerate(stop_ids):
+            self.stop_ids[row, : len(ids)] = ids
+        self.caps = np.array(caps, dtype=np.int64)  # [num_rows] the length at which a row is capped
+        self.lens = np.array(lens, dtype=np.int64)  # [num_rows] each row's length before the step's token
+        self.stop_strings = np.array(strings, dtype=bool)  # [num_rows]
+
+    def flagged(self, token_ids: np.ndarray) -> set[int]:  # token_ids: [num_rows]
+        """The rows this step's tokens may end; every row is one token longer afterwards."""
+        self.lens += 1
+        hits = (self.stop_ids == token_ids[:, None]).any(axis=1) | (self.lens >= self.caps) | self.stop_strings
+        return set(np.flatnonzero(hits).tolist())
 
 
 class OutputProcessor:
@@ -112,6 +147,43 @@ class OutputProcessor:
         seq.status = SequenceStatus.FINISHED_ERROR
         group.error = (f"Structured output failed: the sampled token {seq.refused_token} is not allowed by the "
                        "request's grammar at this point (an internal error; the output so far is not valid).")
+
+    def process_rows(self, groups: list[tuple[SequenceGroup, list[Sequence]]], token_ids: list[int],
+                     logprobs: list[float], flagged: set[int]) -> tuple[BlockActions, list[SequenceGroup],
+                                                                         list[tuple[SequenceGroup, Exception]]]:
+        """A step where every row drew one token (engine/sampler.py's sample_rows): append each, detokenize, and
+        run the stop checks on the `flagged` rows only (RowStops). Returns the blocks to free, the groups that
+        finished, and the groups whose processing raised (their own error; the others go on)."""
+        actions = BlockActions()
+        finished: list[SequenceGroup] = []
+        failed: list[tuple[SequenceGroup, Exception]] = []
+        decode_next = self.detokenizer.decode_next
+        now = time.monotonic()
+        row = 0
+        for group, seqs in groups:
+            first, row = row, row + len(seqs)
+            params = group.sampling_params
+            skip = params.skip_special_tokens
+            keep_logprobs = params.logprobs is not None  # (nothing else reads them: a dict a token saved)
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            try:
+                for r, seq in enumerate(seqs, first):
+                    token, logprob = token_ids[r], logprobs[r]
+                    seq.output_token_ids.append(token)
+                    if keep_logprobs:
+                        seq.output_logprobs.append({token: logprob})
+                    seq.cumulative_logprob += logprob
+                    new_text = decode_next(seq, skip)
+                    if r in flagged:
+                        self._check_stop(seq, params, len(new_text))
+                        if seq.is_finished():
+                            actions.frees.append(seq)
+                            if group.is_finished():
+                                finished.append(group)
+            except Exception as exc:  # this request's tokens or text: the others of the step go on
+                failed.append((group, exc))
+        return actions, finished, failed
 
     def _check_stop(self, seq: Sequence, params: SamplingParams, new_char_count: int) -> None:
         """Stop conditions in vLLM's order: stop token / EOS, stop strings, then the length caps."""

@@ -9,7 +9,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from engine import ops
-from engine.logits_transforms import adjust_logits, beam_candidates, sampling_probs
+from engine.logits_transforms import (adjust_logits, apply_min_p, apply_top_k_top_p, beam_candidates,
+                                      sampling_probs)
 from engine.sampling_params import SamplingParams
 from engine.sequence import Logprobs, Sequence, SequenceGroup
 from engine.structured import apply_grammar_masks
@@ -25,6 +26,59 @@ class Sample(NamedTuple):
     parent_seq_id: int
     token_id: int
     logprobs: Logprobs  # the sampled token plus the top-`logprobs` alternatives
+
+
+class RowSamples(NamedTuple):
+    """One token per row (the common step): the ids and their logprobs (of the raw logits), in row order."""
+
+    token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: torch.Tensor  # [num_rows] float32
+
+
+class BatchParams:
+    """Per-row sampling parameters of a batch as tensors, built when the batch changes (a steady decode keeps
+    them): which rows are greedy, the random rows' temperature, top-k / top-p, min-p, and whose generator each
+    random row draws from. `simple` False: some row needs the per-sample path (beams, several samples from a
+    row, top logprobs, penalties, biases, masks, min_tokens, a grammar)."""
+
+    def __init__(self, groups: list[tuple[SequenceGroup, list[Sequence]]]) -> None:
+        self.simple = all(_simple_group(group, seqs) for group, seqs in groups)
+        self.all_greedy = self.simple and all(group.sampling_params.greedy for group, _ in groups)
+        if not self.simple or self.all_greedy:
+            return
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        # Runs of random rows drawing from one generator: (first, end, the group whose seed it is or None).
+        self.runs: list[tuple[int, int, Optional[SequenceGroup]]] = []
+        row = 0
+        for group, seqs in groups:
+            p = group.sampling_params
+            if not p.greedy:
+                owner = group if p.seed is not None else None
+                first = len(rows)
+                rows += range(row, row + len(seqs))
+                params += [p] * len(seqs)
+                if self.runs and owner is None and self.runs[-1][2] is None and self.runs[-1][1] == first:
+                    self.runs[-1] = (self.runs[-1][0], len(rows), None)
+                else:
+                    self.runs.append((first, len(rows), owner))
+            row += len(seqs)
+        self.random_rows = torch.tensor(rows, dtype=torch.long)
+        self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        filtered = [i for i, p in enumerate(params) if p.top_p < 1.0 or p.top_k != -1]
+        self.filtered = torch.tensor(filtered, dtype=torch.long) if filtered else None
+        self.top_k = [params[i].top_k for i in filtered]
+        self.top_p = [params[i].top_p for i in filtered]
+        self.min_p = (torch.tensor([p.min_p for p in params], dtype=torch.float32)
+                      if any(p.min_p > 0.0 for p in params) else None)
+
+
+def _simple_group(group: SequenceGroup, seqs: list[Sequence]) -> bool:
+    p = group.sampling_params
+    return (not p.use_beam_search and _num_samples(group) == 1 and not p.logprobs and p.min_tokens == 0
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and not p.logit_bias and not p.allowed_token_ids and not p.bad_words_token_ids
+            and all(seq.grammar is None for seq in seqs))
 
 
 def _num_samples(group: SequenceGroup) -> int:
@@ -48,6 +102,15 @@ class Sampler:
         logits: torch.Tensor,  # [num_rows, vocab]
         groups: list[tuple[SequenceGroup, list[Sequence]]],
     ) -> list[list[Sample]]:
+        return self.sample(logits, groups)
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab]
+        groups: list[tuple[SequenceGroup, list[Sequence]]],
+    ) -> list[list[Sample]]:
+        """Every sample of every row, one Sample each: beams, several samples from a row, top logprobs, penalties,
+        biases, masks and grammars included."""
         logits = logits.float()
         num_rows, vocab = logits.shape
         assert num_rows == sum(len(seqs) for _, seqs in groups), "one logits row per running sequence"
@@ -112,6 +175,39 @@ class Sampler:
             slot_tokens[first : first + count] = tokens
 
         return self._build_samples(raw_logits, raw_stats, k, groups, starts, slot_rows_t, slot_tokens)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab]
+        groups: list[tuple[SequenceGroup, list[Sequence]]],
+        batch: Optional[BatchParams] = None,  # the batch's parameters, if kept from an earlier step
+    ) -> Optional[RowSamples]:
+        """One pass over the batch when every row draws one token with nothing but temperature, top-k / top-p and
+        min-p (greedy rows, random rows, seeded rows together); None when some row needs __call__'s path."""
+        if batch is None:
+            batch = BatchParams(groups)
+        if not batch.simple:
+            return None
+        logits = logits.float()
+        argmax, lse = ops.argmax_logsumexp(logits)  # [num_rows] each: greedy tokens, and every row's logsumexp
+        tokens = argmax
+        if not batch.all_greedy:
+            tokens = argmax.clone()
+            x = logits[batch.random_rows] / batch.temperature.to(logits.device).unsqueeze(1)
+            if batch.filtered is not None:
+                x[batch.filtered] = apply_top_k_top_p(x[batch.filtered], batch.top_k, batch.top_p)
+            probs = torch.softmax(x, dim=-1)
+            if batch.min_p is not None:
+                probs = apply_min_p(probs, batch.min_p.to(probs.device))
+            cdf = probs.cumsum(dim=-1)
+            u = torch.empty(len(batch.random_rows), device=logits.device)
+            shared = self._shared_generator(logits.device)
+            for first, end, owner in batch.runs:
+                u[first:end].uniform_(generator=(_generator(owner, logits.device) if owner is not None else shared))
+            drawn = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+            tokens[batch.random_rows] = torch.minimum(drawn, cdf.argmax(dim=-1))  # (see _sample_random)
+        logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        return RowSamples(tokens, logprobs)
 
     # ---- random sampling ---------------------------------------------------
 

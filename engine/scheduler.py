@@ -55,10 +55,41 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_preempted_recompute: int = 0
     num_preempted_swap: int = 0
+    # The step's decodes came from this snapshot (every running group, in its order); None: listed one by one.
+    steady: Optional["SteadyDecode"] = None
+    # Rows of `steady` whose block table grew this step (the others' tables are as in the step before).
+    steady_grown: list[int] = field(default_factory=list)
 
-    def is_empty(self) -> bool:
-        """Nothing to run and no cache bytes to move (a lone group can swap itself out and run nothing)."""
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+class SteadyDecode:
+    """A step in which every running group decoded and nothing was preempted, kept for the steps after it.
+
+    While no group joins, leaves, forks or frees (each of those drops it), the next steps decode the same
+    sequences in the same order, each one token longer: only the few crossing into a new block need the block
+    manager, so a decode step costs what changed, not what runs. `version` names it for the model runner, which
+    keeps its input batch while the version stays.
+    """
+
+    def __init__(self, version: int, scheduled: list[ScheduledGroup], block_size: int,
+                 tables: dict[int, list[int]]) -> None:
+        self.version = version
+        self.scheduled = scheduled
+        self.rows: list[tuple[SequenceGroup, Sequence]] = [
+            (sg.group, seq) for sg in scheduled for seq in sg.group.seqs if seq.status is SequenceStatus.RUNNING]
+        self.num_tokens = len(self.rows)
+        self.block_tables = {seq.seq_id: tables[seq.seq_id] for _, seq in self.rows}  # live lists
+        self.block_size = block_size
+        self.steps = 0  # decode steps since the one that built it
+        self.armed = False  # update_computed ran for the last step: each sequence is one sampled token longer
+        # Row indices by length modulo the block size: a row grows a block when its length reaches 1 past a
+        # multiple of it, which every row does in turn, one phase per step.
+        self.by_phase: dict[int, list[int]] = {}
+        for row, (_, seq) in enumerate(self.rows):
+            self.by_phase.setdefault(seq.get_len() % block_size, []).append(row)
+
+    def due(self) -> list[int]:
+        """The rows whose next token starts a block, at the next step (steps + 1)."""
+        return self.by_phase.get((1 - (self.steps + 1)) % self.block_size, [])
 
 
 class Scheduler:
@@ -87,6 +118,11 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
+        # The running groups' steady decode (None: the next decode step lists them one by one).
+        self._steady: Optional[SteadyDecode] = None
+        self._steady_version = 0
+        # A window or priority order changes tables or order between steps: every step lists the groups.
+        self._steady_allowed = sliding_window is None and self.policy is not SchedulingPolicy.PRIORITY
 
     # -- requests ------------------------------------------------------------------
 
@@ -96,6 +132,7 @@ class Scheduler:
     def abort_seq_group(self, request_ids: Union[str, Iterable[str]]) -> list[SequenceGroup]:
         """End the groups with these ids in whichever queue they are, freeing every block."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        self._steady = None
         aborted: list[SequenceGroup] = []
         for name in ("waiting", "running", "swapped"):
             kept: deque[SequenceGroup] = deque()
@@ -110,9 +147,6 @@ class Scheduler:
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
-
-    def get_num_unfinished_seq_groups(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # -- the step --------------------------------------------------------------------
 
@@ -132,7 +166,11 @@ class Scheduler:
                 if not preempted:
                     self._schedule_swapped(out, self.max_num_batched_tokens)
         now = time.monotonic()
-        for sg in out.scheduled:
+        others = out.scheduled
+        if out.steady is not None:  # the decodes, first in the step: scheduled before, their tokens counted once
+            others = out.scheduled[len(out.steady.scheduled):]
+            out.num_batched_tokens = out.steady.num_tokens
+        for sg in others:
             if sg.group.metrics.first_scheduled_time is None:
                 sg.group.metrics.first_scheduled_time = now
             out.num_batched_tokens += sg.num_tokens
@@ -194,6 +232,7 @@ class Scheduler:
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
+            self._steady = None
             num_tokens = sum(seq.num_uncomputed_tokens() for seq in seqs)  # after prefix-cache hits
             if chunkable:  # (rarely 0 after the hits: it then starts next step)
                 num_tokens = self._schedule_chunk(group, seqs[0], token_budget, out)
@@ -231,7 +270,12 @@ class Scheduler:
         The hot loop of every decode step: each group's running sequences are listed once.
         """
         bm = self.block_manager
+        steady = self._steady
+        if steady is not None and steady.armed and self._steady_decode(steady, out):
+            return False
+        self._steady = None
         preempted = False
+        first = len(out.scheduled)
         queue, self.running = self.running, deque()
         while queue:
             group = queue.popleft()
@@ -254,7 +298,31 @@ class Scheduler:
             else:
                 self._append_slots(group, seqs, out, grows=num_new_blocks > 0)
                 self.running.append(group)
+        if self._steady_allowed and not preempted and first == 0 and len(out.scheduled) == len(self.running):
+            self._steady_version += 1
+            self._steady = out.steady = SteadyDecode(self._steady_version, list(out.scheduled), bm.block_size,
+                                                          bm.block_tables)
         return preempted
+
+    def _steady_decode(self, steady: SteadyDecode, out: SchedulerOutput) -> bool:
+        """The steady decode's next step: the same groups, new blocks for the rows entering one. False (nothing
+        done) when the free blocks do not cover them: the step then lists the groups and preempts."""
+        bm = self.block_manager
+        due = steady.due()
+        if len(due) > bm.get_num_free_device_blocks():
+            return False
+        rows = steady.rows
+        for row in due:
+            seq = rows[row][1]
+            cow = bm.append_slots(seq)
+            if cow is not None:  # (never: a decode writes into a block no one else holds; kept for safety)
+                out.blocks_to_copy.append(cow)
+        steady.steps += 1
+        steady.armed = False
+        out.scheduled.extend(steady.scheduled)
+        out.block_tables.update(steady.block_tables)
+        out.steady, out.steady_grown = steady, due
+        return True
 
     def _schedule_swapped(self, out: SchedulerOutput, token_budget: int) -> int:
         """Swap groups back in while blocks, max_num_seqs and the token budget allow; returns the budget left."""
@@ -280,6 +348,7 @@ class Scheduler:
             if status is AllocStatus.LATER or num_seqs + group_seqs > self.max_num_seqs or num_tokens > token_budget:
                 break
             self.swapped.popleft()
+            self._steady = None
             bm.swap_in(group, out.blocks_to_swap_in)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
@@ -328,6 +397,7 @@ class Scheduler:
             self.waiting = deque(sorted(self.waiting, key=_priority_key))
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self._steady = None
         mode = self.preemption_mode
         if mode is None:
             # One sequence: recomputing its prompt is cheap. Several: their diverged outputs are worth keeping.
@@ -381,7 +451,12 @@ class Scheduler:
     def update_computed(self, out: SchedulerOutput) -> None:
         """Call right after the forward, before new tokens are appended: what ran now has K/V in the cache."""
         caching = self.block_manager.enable_prefix_caching
-        for scheduled in out.scheduled:
+        scheduled_groups = out.scheduled
+        steady = out.steady
+        if steady is not None:
+            self._update_steady(steady, caching)
+            scheduled_groups = out.scheduled[len(steady.scheduled):]
+        for scheduled in scheduled_groups:
             group = scheduled.group
             for seq in group.seqs:
                 if seq.status is SequenceStatus.RUNNING:
@@ -389,21 +464,40 @@ class Scheduler:
             if caching:
                 self.block_manager.mark_blocks_as_computed(group)
 
+    def _update_steady(self, steady: SteadyDecode, caching: bool) -> None:
+        """The steady rows computed their one token each; a row that did not have exactly one (its sequence
+        changed outside a step) drops the steady decode, so that the next step lists the groups again."""
+        size = self.block_manager.block_size
+        lockstep = True
+        for group, seq in steady.rows:
+            n = seq.get_len()
+            if n - seq.num_computed_tokens != 1:
+                lockstep = False
+            seq.num_computed_tokens = n
+            if caching and n % size == 0:  # a block filled up: it enters the prefix cache
+                self.block_manager.mark_blocks_as_computed(group)
+        steady.armed = lockstep and steady is self._steady
+        if not lockstep:
+            self._steady = None
+
     def apply(self, actions: BlockActions) -> None:
         """Forks first (a child may share a parent freed in the same step), then frees."""
+        if actions.forks or actions.frees:
+            self._steady = None
         for parent, child in actions.forks:
             self.block_manager.fork(parent, child)
         for seq in actions.frees:
             self.block_manager.free(seq)
 
-    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
-        self.block_manager.fork(parent, child)
-
-    def free_seq(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-
-    def free_finished_seq_groups(self) -> None:
+    def free_finished_seq_groups(self, finished: Optional[list[SequenceGroup]] = None) -> None:
+        """Drop finished groups from `running`; `finished`: the step's finished groups, when the caller knows
+        them (an empty list costs nothing)."""
+        if finished is not None and not finished:
+            return
+        before = len(self.running)
         self.running = deque(group for group in self.running if not group.is_finished())
+        if len(self.running) != before:
+            self._steady = None
 
 
 def _is_mid_prefill(seqs: list[Sequence]) -> bool:

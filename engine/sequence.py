@@ -27,12 +27,15 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value >= SequenceStatus.FINISHED_STOPPED.value
+        return self not in _UNFINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
         return _FINISH_REASONS.get(self)
 
+
+# (A tuple of members: `in` compares identities first, where Enum's `value` is a slow descriptor on every read.)
+_UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED)
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -52,6 +55,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.cumulative_logprob = 0.0
+        # One per output token when the request asks for logprobs (the one-pass step keeps none otherwise).
         self.output_logprobs: list[Logprobs] = []
         self.output_text = ""
         # Tokens whose K/V are in the cache. The next forward computes
@@ -63,10 +67,8 @@ class Sequence:
         # A sampled token the grammar refused (the mask allows none: a bug or a fault got one past it); the
         # output processor ends the sequence with an error, as vLLM does, instead of going on unconstrained.
         self.refused_token: Optional[int] = None
-        # Incremental detokenizer state (engine/detokenizer.py owns these).
-        self.tokens: Optional[list[str]] = None
-        self.prefix_offset = 0
-        self.read_offset = 0
+        # Incremental detokenizer state (engine/detokenizer.py owns it).
+        self.detok = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -97,7 +99,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status not in _UNFINISHED
 
     def fork(self, new_seq_id: int) -> "Sequence":
         child = Sequence.__new__(Sequence)
@@ -105,7 +107,7 @@ class Sequence:
         child.seq_id = new_seq_id
         child.output_token_ids = list(self.output_token_ids)
         child.output_logprobs = list(self.output_logprobs)
-        child.tokens = list(self.tokens) if self.tokens is not None else None
+        child.detok = self.detok.fork() if self.detok is not None else None
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
@@ -184,7 +186,10 @@ class SequenceGroup:
         return len(self.unfinished_seqs())
 
     def is_finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs)
+        for s in self.seqs:
+            if s.status in _UNFINISHED:
+                return False
+        return True
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"

@@ -283,10 +283,12 @@ class LlamaForCausalLM(nn.Module):
         x.mul_(mine.unsqueeze(1).to(x.dtype))
         return self.tp.all_reduce(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """[num_rows, hidden] -> [num_rows, vocab] float32 on rank 0 (the ranks' vocab slices gathered); None on
-        the other ranks, which only take part."""
-        return self.tp.gather_cols(cpu_linear.forward_float32(self.lm_head, self.norm(hidden)))
+        the other ranks, which only take part. `out`: a [num_rows, vocab] float32 buffer the head may write into
+        (one rank only); use the returned tensor."""
+        out = out if self.tp.world_size == 1 else None
+        return self.tp.gather_cols(cpu_linear.forward_float32(self.lm_head, self.norm(hidden), out))
 
     # ---- weights (engine/models/llama_weights.py) ---------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

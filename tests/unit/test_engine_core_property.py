@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import BlockActions, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 8
@@ -113,14 +113,14 @@ class EngineCoreMachine(RuleBasedStateMachine):
                 for _ in range(params.best_of - 1):
                     child = running[0].fork(self.new_seq_id())
                     group.add(child)
-                    sched.fork_seq(running[0], child)
+                    sched.apply(BlockActions(forks=[(running[0], child)]))
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 token = rnd.randrange(VOCAB)
                 seq.append_token(token, {token: 0.0})
                 if (seq.get_output_len() >= params.max_tokens or seq.get_len() >= MAX_MODEL_LEN
                         or rnd.random() < 0.1):
                     seq.status = SequenceStatus.FINISHED_STOPPED
-                    sched.free_seq(seq)
+                    sched.apply(BlockActions(frees=[seq]))
         sched.free_finished_seq_groups()
 
     @rule(rnd=st.randoms(use_true_random=False))
@@ -142,7 +142,7 @@ class EngineCoreMachine(RuleBasedStateMachine):
         group = next(g for g in self.sched.running if parent in g.seqs)
         child = parent.fork(self.new_seq_id())
         group.add(child)
-        self.sched.fork_seq(parent, child)
+        self.sched.apply(BlockActions(forks=[(parent, child)]))
 
     @rule(data=st.data())
     def abort(self, data):

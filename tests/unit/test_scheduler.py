@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import BlockActions, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 8
@@ -46,7 +46,7 @@ def fork_all(sched: Scheduler, group: SequenceGroup) -> None:
         _next_seq_id[0] += 1
         child = parent.fork(_next_seq_id[0])
         group.add(child)
-        sched.fork_seq(parent, child)
+        sched.apply(BlockActions(forks=[(parent, child)]))
 
 
 def a_and_forked_b(sched: Scheduler, run_first_step: bool = True) -> tuple[SequenceGroup, SequenceGroup]:
@@ -109,8 +109,7 @@ def test_too_long_prompt_is_ignored_not_queued():
     assert out.ignored[0].seqs[0].status is SequenceStatus.FINISHED_IGNORED
     assert "65 tokens" in out.ignored[0].error and "64" in out.ignored[0].error
     assert ids(s.group for s in out.scheduled) == ["ok"]
-    assert sched.get_num_unfinished_seq_groups() == 1
-    assert ids(sched.waiting) == [] and ids(sched.running) == ["ok"]
+    assert ids(sched.waiting) == [] and ids(sched.running) == ["ok"] and not sched.swapped
     assert sched.block_manager.get_num_free_device_blocks() == 15  # only "ok" holds a block
 
 
@@ -154,7 +153,7 @@ def test_recompute_preemption_frees_blocks_and_requeues_at_the_front():
     # Once a finishes, b is prefilled again over its prompt and its output.
     finish_step(sched, out)
     a.seqs[0].status = SequenceStatus.FINISHED_LENGTH_CAPPED
-    sched.free_seq(a.seqs[0])
+    sched.apply(BlockActions(frees=[a.seqs[0]]))
     sched.free_finished_seq_groups()
     out = sched.schedule()
     assert [(s.group.request_id, s.num_tokens) for s in out.scheduled] == [("b", 17), ("c", 4)]
@@ -172,7 +171,7 @@ def test_best_of_two_is_preempted_by_swap_and_swapped_come_before_new_prefills()
     sched.add_seq_group(make_group("new", 4, arrival=3.0))
     finish_step(sched, out)
     a.seqs[0].status = SequenceStatus.FINISHED_STOPPED
-    sched.free_seq(a.seqs[0])
+    sched.apply(BlockActions(frees=[a.seqs[0]]))
     sched.free_finished_seq_groups()
     out = sched.schedule()
     assert ids(s.group for s in out.scheduled) == ["b"]  # "new" waits for the swapped group
@@ -200,7 +199,7 @@ def test_infeasible_swap_in_ends_the_request():
     sched.add_seq_group(a)
     finish_step(sched, sched.schedule())
     out = sched.schedule()  # a needs a fifth block: it swaps itself out, nothing runs
-    assert out.num_preempted_swap == 1 and not out.scheduled and not out.is_empty()
+    assert out.num_preempted_swap == 1 and not out.scheduled and out.blocks_to_swap_out
     out = sched.schedule()
     assert ids(out.ignored) == ["a"] and a.seqs[0].status is SequenceStatus.FINISHED_ERROR
     assert not sched.has_unfinished_seqs()
@@ -283,7 +282,7 @@ def test_groups_swapped_out_in_one_step_come_back_in_arrival_order():
     assert out.num_preempted_swap == 2 and ids(sched.swapped) == ["b", "c"]
     finish_step(sched, out)
     groups[0].seqs[0].status = SequenceStatus.FINISHED_STOPPED
-    sched.free_seq(groups[0].seqs[0])
+    sched.apply(BlockActions(frees=[groups[0].seqs[0]]))
     sched.free_finished_seq_groups()
     out = sched.schedule()
     # b needs 1 block + 1 per sequence to resume; c's 3 more do not fit beside it yet.
@@ -452,3 +451,36 @@ def test_without_chunking_a_prompt_over_the_budget_is_refused():
     config = EngineConfig(enable_chunked_prefill=True, max_num_seqs=8)
     config.resolve(8192)
     assert config.max_num_batched_tokens == 512
+
+
+def test_a_steady_decode_touches_only_the_rows_entering_a_block():
+    """Once every running group decodes, the next steps reuse that step's list: the block manager sees only the
+    sequences whose next token starts a block, and every table still covers its sequence, as listing them does."""
+    runs = {}
+    for steady in (True, False):
+        sched = make_scheduler(num_device_blocks=64, max_model_len=64)
+        sched._steady_allowed = steady
+        groups = [make_group(f"r{i}", n) for i, n in enumerate((3, 8, 9, 14, 17))]
+        for group in groups:
+            sched.add_seq_group(group)
+        finish_step(sched, sched.schedule())  # the prefills
+        seen = []
+        for step in range(30):
+            out = sched.schedule()
+            assert all(not sg.is_prefill for sg in out.scheduled) and len(out.scheduled) == len(groups)
+            for sg in out.scheduled:
+                seq = sg.group.seqs[0]
+                assert len(out.block_tables[seq.seq_id]) == sched.block_manager.blocks_for(seq.get_len())
+            if steady and step > 0:
+                assert out.steady is not None and out.steady.version == seen[0][0]
+                # exactly the rows whose last token starts a new block (length 1 past a multiple of BS)
+                assert sorted(out.steady_grown) == [r for r, g in enumerate(groups)
+                                                    if g.seqs[0].get_len() % BS == 1]
+            seen.append((out.steady.version if out.steady else None, [list(t) for t in out.block_tables.values()]))
+            finish_step(sched, out)
+        runs[steady] = [tables for _, tables in seen]
+        # A group leaving drops the steady decode: the next step lists the groups again.
+        sched.abort_seq_group("r0")
+        if steady:
+            assert sched.schedule().steady.version != seen[0][0]
+    assert runs[True] == runs[False]

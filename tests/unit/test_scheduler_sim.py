@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import BlockActions, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 8
@@ -156,7 +156,7 @@ def _sample(sched: Scheduler, group: SequenceGroup, last_read: dict[int, int], s
         for index in range(1, params.best_of):
             child = parent.fork(next(seq_ids))
             group.add(child)
-            sched.fork_seq(parent, child)
+            sched.apply(BlockActions(forks=[(parent, child)]))
             token = next_token(last_read[parent.seq_id], index)
             child.append_token(token, {token: 0.0})
     for seq in running:
@@ -165,7 +165,7 @@ def _sample(sched: Scheduler, group: SequenceGroup, last_read: dict[int, int], s
     for seq in group.get_seqs(SequenceStatus.RUNNING):
         if seq.get_output_len() >= params.max_tokens:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-            sched.free_seq(seq)
+            sched.apply(BlockActions(frees=[seq]))
 
 
 SHARED = (0, 1, 2) * 6  # two full blocks and a bit
