@@ -100,7 +100,6 @@ def torch_compile_variants(dtype: torch.dtype, batch: int, context: int, reps: i
     """The tiny model's layer loop over the csrc ops as torch.library custom ops: eager, torch.compile'd, and
     torch.compile'd with inductor's C++ wrapper. Returns median ms and first-call (compile) seconds."""
     from engine import ops
-    from engine.models.compiled_decode import CompiledDecode
 
     m = ops._load()
     lib = "pagedserve_bench"
@@ -152,7 +151,7 @@ def torch_compile_variants(dtype: torch.dtype, batch: int, context: int, reps: i
 
     model, _, inp = build("tiny", dtype, batch, context)
     hidden, inter, heads, kv_heads, _ = SHAPES["tiny"]
-    weights = CompiledDecode.of(model).weights
+    weights = model.compiled_plan().weights
     cos_sin = model.rotary.table(torch.device("cpu"))
     meta, kcs, vcs = inp["meta"], [c[0] for c in inp["caches"]], [c[1] for c in inp["caches"]]
     eps, scale = model.args.rms_norm_eps, HEAD_DIM ** -0.5

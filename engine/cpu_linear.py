@@ -172,6 +172,14 @@ def forward_float32(linear: nn.Linear, x: torch.Tensor, out: Optional[torch.Tens
     return linear(x).float()
 
 
+def small_rows_weight(linear: nn.Module) -> Optional[tuple[torch.Tensor, int]]:
+    """(the packed weight the small-row kernel reads for `linear`, the most rows it serves there), or None when it
+    has none (not packed, oneDNN only, PAGEDSERVE_SMALL_ROW_LINEAR=0). engine/quant.py's int8 linears keep their
+    packed weight in the same place, served at every row count."""
+    small = getattr(linear, "_small_weight", None)
+    return None if small is None else (small, linear._small_max_rows)
+
+
 def bucket_rows(rows: int) -> int:
     """rows rounded up to a multiple of 2^(k-3) for rows in [2^k, 2^(k+1)); rows itself up to EXACT_ROWS."""
     if rows <= EXACT_ROWS:
@@ -235,7 +243,6 @@ def pack_linears(model: nn.Module) -> int:
         released += sum(_release(m, users) for m in linears)
     if released:  # no reference to a released weight is left in this frame
         _trim_heap()
-    model.__dict__.pop("_compiled_decode", None)  # a model's compiled decode plan reads the packed weights: rebuild
     logger.debug("packed %d linear layers for oneDNN, released %d original weights", len(linears), released)
     return len(linears)
 

@@ -167,6 +167,5 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
             attach_q8_embedding(model.embed_tokens, model.lm_head._small_weight, dtype)
         else:
             attach_q8_embedding(model.embed_tokens, pack_q8(*blocks("model.embed_tokens")), dtype)
-    model.__dict__.pop("_compiled_decode", None)
     logger.info("loaded %s's Q8_0 weights as int8 (%d linears, not dequantized)", path.name, len(targets))
     return len(targets)

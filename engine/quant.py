@@ -211,6 +211,5 @@ def quantize_linears(model: nn.Module) -> int:
             attach_q8_embedding(emb, pack_q8(*quantize_q8_0(w)), w.dtype)
             del w
             _trim_heap()
-    model.__dict__.pop("_compiled_decode", None)
     logger.info("quantized %d linear layers to int8 (Q8_0 blocks)", len(linears))
     return len(linears)

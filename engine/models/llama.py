@@ -245,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
         # CPU steps through the compiled layer loop where it serves (engine/models/compiled_decode.py);
         # False: every step eagerly (--enforce-eager, the reference).
         self.compiled_decode = True
+        self._compiled_plan: Optional[CompiledDecode] = None
 
     @property
     def kv_window(self) -> Optional[int]:
@@ -266,12 +267,21 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] before the final norm; compute_logits finishes the rows asked for
         x, residual = self.embed(input_ids), None
-        plan = CompiledDecode.of(self) if self.compiled_decode else None
+        plan = self.compiled_plan() if self.compiled_decode else None
         if plan is not None and plan.serves(x, kv_caches, meta):
             return plan(x, positions, kv_caches, meta)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, kv_caches[i] if kv_caches is not None else None, meta)
         return x if residual is None else residual.add_(x)
+
+    def compiled_plan(self) -> Optional[CompiledDecode]:
+        """The compiled step's plan (engine/models/compiled_decode.py), built at the first call after the layers'
+        linears went onto the small-row kernel and kept; None before that and where it never serves (CUDA, tensor
+        parallelism, oneDNN-only linears). The packers (cpu_linear.pack_linears, engine/quant.py) run once, before
+        the first forward (engine/loader.py), so a kept plan never reads weights they replaced."""
+        if self._compiled_plan is None:
+            self._compiled_plan = CompiledDecode.build(self.layers, self.args.layer_windows, self.args.rms_norm_eps)
+        return self._compiled_plan
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         if self.tp.world_size == 1:

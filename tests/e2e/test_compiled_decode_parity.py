@@ -7,7 +7,6 @@ import pytest
 
 from e2e_helpers import MAX_MODEL_LEN, MAX_TOKENS, blocks_for, greedy, hf_greedy, seeded_pair, token_ids
 from engine import ops
-from engine.models.compiled_decode import CompiledDecode
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU, reason="needs the compiled CPU ops")
@@ -21,7 +20,7 @@ CONDITIONS = {
 
 
 def _steps_run(llm) -> int:
-    plan = CompiledDecode.of(llm.engine.model_runner.model)
+    plan = llm.engine.model_runner.model.compiled_plan()
     return 0 if plan is None else plan.steps_run
 
 

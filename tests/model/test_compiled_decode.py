@@ -13,7 +13,6 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from engine import ops
 from engine.llm import LLM
-from engine.models.compiled_decode import CompiledDecode
 from engine.sampling_params import SamplingParams
 from tiny_models import save_random_model
 
@@ -56,7 +55,7 @@ def _run(model_dir, dtype: str, enforce_eager: bool, prompts=None, rounds: int =
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
     for _ in range(rounds):
         outputs = llm.generate(prompt_token_ids=prompts or _prompts(), sampling_params=params, use_tqdm=False)
-    return outputs, CompiledDecode.of(llm.engine.model_runner.model), llm
+    return outputs, llm.engine.model_runner.model.compiled_plan(), llm
 
 
 def _assert_bit_identical(compiled, eager) -> None:

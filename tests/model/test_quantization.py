@@ -142,15 +142,13 @@ def test_int8_embedding_rows_are_the_dequantized_blocks(tiny_llama_dir):
 def test_int8_compiled_step_equals_eager_bit_for_bit(tiny_llama_dir, dtype):
     """The compiled step runs the int8 linears through the same kernel as the eager layers: the same tokens and
     logprobs, and it did run (prefill and decode)."""
-    from engine.models.compiled_decode import CompiledDecode
-
     runs = []
     for eager in (False, True):
         llm = _llm(tiny_llama_dir, quantization="int8", dtype=dtype, enforce_eager=eager)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
                             use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
-                     CompiledDecode.of(llm.engine.model_runner.model)))
+                     llm.engine.model_runner.model.compiled_plan()))
     (tokens, logprobs, plan), (eager_tokens, eager_logprobs, _) = runs
     assert plan is not None and plan.steps_run >= 12
     assert tokens == eager_tokens and logprobs == eager_logprobs
