@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Downloads, on a machine with network, the wheels an offline GPU machine lacks to run pagedserve and
-# scripts/gpu_check.sh, for CPython 3.12 on manylinux x86_64. Carry the folder over, then:
+# scripts/gpu_check.sh, for CPython 3.12 on manylinux x86_64, and puts the default model's tokenizer and config
+# (no weights) beside them: ~12 MiB. Carry the folder over, then:
 #
 #   bash scripts/gpu_wheels.sh wheels/                                   # here, with network
 #   WHEELS=wheels/ PYTHON=/opt/torch/.venv/bin/python3 bash scripts/gpu_check.sh   # there, offline
@@ -37,5 +38,11 @@ mkdir -p "$dest"
 # --only-binary with a target python: pip picks cp312 / py3-none-any wheels, whichever the package has.
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --abi cp312 --abi abi3 --abi none "${platform_args[@]}" -d "$dest" "${specs[@]}"
-echo "gpu_wheels: $(find "$dest" -name '*.whl' | wc -l) wheels in $dest:"
-ls -1 "$dest"
+# The default model's tokenizer and config.json (never its weights): scripts/gpu_check.sh builds random-weight
+# models of its shapes and serves it with --load-format dummy.
+model="$(cd "$root" && "$python" -c 'from engine.loader import default_model_path; print(default_model_path())')"
+mkdir -p "$dest/SmolLM2-135M-Instruct"
+cp "$model"/*.json "$model"/*.jinja "$dest/SmolLM2-135M-Instruct/"
+echo "gpu_wheels: $(find "$dest" -name '*.whl' | wc -l) wheels and the default model's tokenizer and config in $dest" \
+  "($(du -sh "$dest" | cut -f1)):"
+ls -1 "$dest" "$dest/SmolLM2-135M-Instruct"
