@@ -10,8 +10,8 @@
 # weights: the default model's shapes (SmolLM2-135M, greedy parity with HF, and `pagedserve serve
 # --load-format dummy`), a 1.17B Llama (hidden 2048, 16 layers, 32/8 heads of 64) for the benchmarks.
 #
-# In order: build the kernels (device=cuda must get the compiled CUDA backend); the CPU kernel suite on the host
-# CPU (in the background while the GPU tests run); the kernel tests' CUDA cases; the engine-level CUDA tests
+# In order: build the kernels (device=cuda must get the compiled CUDA backend); the CPU kernel and model suites on
+# the host CPU (in the background while the GPU tests run); the kernel tests' CUDA cases; the engine-level CUDA tests
 # (tests/e2e/test_cuda_engine.py, the NCCL world of one, the prefill-attention fallback); which prefill attention
 # the engine's probe picked; greedy parity with HF on the random SmolLM2; the served default-model shapes with
 # --load-format dummy; benchmarks/kernels.py (paged decode vs SDPA over a contiguous cache); then on the 1.17B
@@ -128,11 +128,16 @@ from engine import ops
 backend = ops.require_backend('$device')
 print('ops backend:', backend.value)"
 
-# The CPU kernel suite on the host CPU, beside the GPU tests (half the cores); joined before the benchmarks.
+# The CPU kernel and model suites on the host CPU, beside the GPU tests (half the cores); joined before the
+# benchmarks. Left out: the model tests that read the default model's weights (not carried) and the slow ones.
 cpu_start=$SECONDS
 cpu_threads=$(( $(nproc) > 2 ? $(nproc) / 2 : 1 ))
-if [ "$cpu_mode" = 1 ]; then cpu_tests=(tests/kernels/test_small_gemm.py -k refuses); else cpu_tests=(tests/kernels -k "not cuda"); fi
-OMP_NUM_THREADS=$cpu_threads pytest "${cpu_tests[@]}" > "$work/cpu-kernel-suite.log" 2>&1 &
+if [ "$cpu_mode" = 1 ]; then
+  cpu_tests=(tests/kernels/test_small_gemm.py tests/model/test_cache_engine.py -k "refuses or (cache_engine and not cuda)")
+else
+  cpu_tests=(tests/kernels tests/model -m "not slow" -k "not cuda and not split_decode and not int8_compiled_step")
+fi
+OMP_NUM_THREADS=$cpu_threads pytest "${cpu_tests[@]}" > "$work/cpu-suite.log" 2>&1 &
 cpu_pid=$!
 
 if [ "$cpu_mode" = 1 ]; then
@@ -192,8 +197,8 @@ fi
 # Wait for the CPU suite before the timed runs below.
 cpu_status=pass
 wait "$cpu_pid" || cpu_status=FAIL
-tail -3 "$work/cpu-kernel-suite.log"
-record cpu-kernel-suite "$cpu_status" $((SECONDS - cpu_start)) "$work/cpu-kernel-suite.log"
+tail -3 "$work/cpu-suite.log"
+record cpu-suite "$cpu_status" $((SECONDS - cpu_start)) "$work/cpu-suite.log"
 
 big_size=1b; [ "$cpu_mode" = 1 ] && big_size=tiny
 step llama-1b-random-model helper model "$work/llama-1b" --like "$tokenizer_dir" --size "$big_size" \
