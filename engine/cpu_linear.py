@@ -169,6 +169,11 @@ def forward_float32(linear: nn.Linear, x: torch.Tensor, out: Optional[torch.Tens
         if out is None:
             out = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
         return ops.small_gemm(out, x if x.stride(-1) == 1 else x.contiguous(), small, linear.bias)
+    if (getattr(linear, "_q8", False) and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.shape[-1] == linear.in_features):  # an int8 head (engine/quant.py)
+        if out is None:
+            out = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
+        return ops.q8_gemm(out, x if x.stride(-1) == 1 else x.contiguous(), small, linear.bias)
     return linear(x).float()
 
 

@@ -178,3 +178,17 @@ def test_cli_quantization_flag_reaches_the_engine_config():
 
     assert config_from_args(build_parser().parse_args(["serve", "--quantization", "int8"])).quantization == "int8"
     assert config_from_args(build_parser().parse_args(["serve"])).quantization is None
+
+
+def test_int8_head_writes_float32_logits_directly():
+    """A bfloat16 model's int8 head writes its logits in float32 (not rounded to bfloat16 and widened)."""
+    from engine.cpu_linear import forward_float32
+    from engine.quant import attach_q8_linear, pack_q8
+
+    head = torch.nn.Linear(64, 100, bias=False, dtype=torch.bfloat16)
+    attach_q8_linear(head, pack_q8(*quantize_q8_0(torch.randn(100, 64))))
+    x = torch.randn(3, 64).bfloat16()
+    logits = forward_float32(head, x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, ops.q8_gemm(torch.empty(3, 100), x, head._small_weight, None))
+    assert not torch.equal(logits, logits.bfloat16().float())
