@@ -1,19 +1,21 @@
 """Checkpoint tensors into a LlamaForCausalLM: HF names onto the fused q/k/v and gate/up params, and under tensor
-parallelism each rank's shard of them (Megatron-style, see LlamaForCausalLM)."""
+parallelism each rank's shard of them (Megatron-style, see LlamaForCausalLM). The model is passed with its args and
+its rank's group (this module reads nothing else of it, and does not import it)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM, ModelArgs
+from engine.distributed import TPGroup
+from engine.models.llama_args import ModelArgs
 
 
-def _fused_targets(model: LlamaForCausalLM, name: str) -> Optional[tuple[str, int, int]]:
+def _fused_targets(a: ModelArgs, tp: TPGroup, name: str) -> Optional[tuple[str, int, int]]:
     """HF name -> (our fused param, row offset, rows) for q/k/v and gate/up, this rank's sizes; None for a
     plain name."""
-    a, n = model.args, model.tp.world_size
+    n = tp.world_size
     q, kv, inter = a.num_heads * a.head_dim // n, a.local_kv_heads(n) * a.head_dim, a.intermediate_size // n
     shards = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
@@ -27,12 +29,11 @@ def _fused_targets(model: LlamaForCausalLM, name: str) -> Optional[tuple[str, in
             return name.replace(hf_part, ours), offset, rows
     return None
 
-def _shard(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _shard(tp: TPGroup, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a whole checkpoint tensor (our param name; the tensor itself at world_size 1).
 
     Column-parallel (q/k/v, gate/up, the vocab of embedding and head): rows split. Row-parallel (o_proj,
     down_proj): columns split, and the bias kept by rank 0 alone, so the all-reduce adds it once."""
-    tp = model.tp
     if tp.world_size == 1:
         return tensor
     if name.endswith(("o_proj.bias", "down_proj.bias")):
@@ -46,17 +47,17 @@ def _shard(model: LlamaForCausalLM, name: str, tensor: torch.Tensor) -> torch.Te
         return tensor[start:end]
     return tensor  # norms: whole on every rank
 
-def _kv_replica(model: LlamaForCausalLM, name: str) -> Optional[slice]:
+def _kv_replica(a: ModelArgs, tp: TPGroup, name: str) -> Optional[slice]:
     """The rows of the one key/value head this rank holds, for k_proj / v_proj when the ranks outnumber the
     key/value heads (rank r holds head r * kv_heads // N, the head its query heads read); None otherwise."""
-    a, tp = model.args, model.tp
     if a.num_kv_heads >= tp.world_size or not (".self_attn.k_proj." in name or ".self_attn.v_proj." in name):
         return None
     head = tp.rank * a.num_kv_heads // tp.world_size
     return slice(head * a.head_dim, (head + 1) * a.head_dim)
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> None:
     """Copy HF state-dict tensors (model.layers.N.self_attn.q_proj.weight, ...) into our fused params."""
     params = dict(model.named_parameters())
     rows_loaded = dict.fromkeys(params, 0)
@@ -64,14 +65,14 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         if "rotary_emb.inv_freq" in hf_name:
             continue
         name = hf_name.removeprefix("model.")
-        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+        if name == "lm_head.weight" and args.tie_word_embeddings:
             continue  # tied: the embedding is the head
-        replica = _kv_replica(model, name)
-        fused = _fused_targets(model, name)
+        replica = _kv_replica(args, tp, name)
+        fused = _fused_targets(args, tp, name)
         name, offset = fused[:2] if fused is not None else (name, 0)
         if name not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}.")
-        tensor = tensor[replica] if replica is not None else _shard(model, name, tensor)
+        tensor = tensor[replica] if replica is not None else _shard(tp, name, tensor)
         rows = tensor.shape[0]
         params[name][offset : offset + rows].copy_(tensor)
         rows_loaded[name] += rows
@@ -80,19 +81,19 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         raise ValueError(f"checkpoint is missing or duplicates tensors for {len(missing)} params, e.g. {missing[:3]}.")
 
 @torch.no_grad()
-def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+def init_dummy_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, seed: int = 0) -> None:
     """Random weights (benchmarks of big architectures with nothing to download); norms start at one.
     The whole model's tensors are drawn and then sharded, so every tensor-parallel size runs the same model."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def tensors() -> Iterable[tuple[str, torch.Tensor]]:
-        for name, shape in _checkpoint_shapes(model.args):
+        for name, shape in _checkpoint_shapes(args):
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 yield name, torch.ones(shape)
             else:
                 yield name, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
 
-    load_weights(model, tensors())
+    load_weights(model, args, tp, tensors())
 
 def _checkpoint_shapes(a: ModelArgs) -> Iterable[tuple[str, tuple[int, ...]]]:
     """(HF name, whole shape) of every checkpoint tensor of this architecture."""

@@ -18,7 +18,8 @@ LAYERS = {
     # tensors: kernels, the model, the cache, the forward, sampling, outputs
     "engine.ops_loader": 2, "engine.ref_ops": 2, "engine.ops": 2, "engine.attention": 2, "engine.prefill_kernels": 2,
     "engine.cpu_linear": 2,
-    "engine.models": 2, "engine.models.llama": 2, "engine.models.llama_weights": 2, "engine.models.compiled_decode": 2,
+    "engine.models": 2, "engine.models.llama": 2, "engine.models.llama_args": 2, "engine.models.llama_weights": 2,
+    "engine.models.compiled_decode": 2,
     "engine.loader": 2,
     "engine.cache_engine": 2,
     "engine.distributed": 2, "engine.model_runner": 2, "engine.worker": 2, "engine.tp_workers": 2,
