@@ -31,6 +31,7 @@ class PrefillKernel:
 
     name = "?"
     fix = ""  # what a user does about a failed probe, if anything
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)  # what it is built for
 
     def prepare(self, seq_lens: list[int], device: torch.device) -> Any:
         """The step's per-kernel input (cumulative lengths, a mask), built once and shared by every layer."""
@@ -83,6 +84,7 @@ class VarlenFlash(PrefillKernel):
     """torch's variable-length flash attention: every span in one launch, GQA without copies."""
 
     name = "torch varlen flash attention"
+    dtypes = (torch.float16, torch.bfloat16)  # flash attention has no float32 kernel
 
     def __init__(self, attn=None) -> None:
         if attn is None:
@@ -209,6 +211,9 @@ def select_prefill_kernel(candidates: Sequence[PrefillKernel], shape: ProbeShape
     None when there are no candidates (the CPU); RuntimeError when none runs."""
     failures = []
     for i, kernel in enumerate(candidates):
+        if shape.dtype not in kernel.dtypes:  # not a failure: the kernel is not meant for this dtype
+            logger.info("prefill attention: %s does not take %s; trying the next", kernel.name, shape.dtype)
+            continue
         try:
             probe(kernel, shape)
         except Exception as exc:  # any failure of the kernel is a reason to use the next one

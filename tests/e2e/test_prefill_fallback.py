@@ -70,7 +70,8 @@ def test_the_probe_skips_kernels_that_fail_and_warns_once_for_each(caplog, dtype
     with caplog.at_level(logging.WARNING, logger="pagedserve.attention"):
         assert select_prefill_kernel([*varlen, broken_xformers(), IgnoresSpans(), sdpa], shape) is sdpa
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == len(varlen) + 2
+    # Flash attention has no float32 kernel: skipped without a warning there, probed (and failing here) otherwise.
+    assert len(warnings) == (0 if dtype == torch.float32 else len(varlen)) + 2
     xformers = next(w for w in warnings if w.startswith("prefill attention: xformers"))
     assert "NotImplementedError: No operator found" in xformers and "wasn't built with CUDA support" in xformers
     assert "using ignores spans instead" in xformers and "install the xformers build made for this torch" in xformers
