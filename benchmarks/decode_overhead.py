@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+from engine.platform.openmp import apply_serving_default  # noqa: E402  (no torch import)
 
 apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 
@@ -40,9 +40,9 @@ def build(shape: str, dtype: torch.dtype, batch: int, context: int):
     """(model, forward(), its decode inputs) for one decode step of `batch` sequences at `context` tokens."""
     from transformers import LlamaConfig
 
-    from engine.attention import AttentionMetadata
-    from engine.cpu_linear import pack_linears
-    from engine.models.llama import LlamaForCausalLM
+    from engine.model_executor.layers.attention import AttentionMetadata
+    from engine.model_executor.layers.cpu_linear import pack_linears
+    from engine.model_executor.models.llama import LlamaForCausalLM
 
     hidden, inter, heads, kv_heads, vocab = SHAPES[shape]
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=LAYERS,
@@ -203,7 +203,7 @@ def main() -> None:
     from engine import ops
 
     if ops.backend() is not ops.OpsBackend.COMPILED_CPU:
-        sys.exit("needs the compiled CPU ops (engine/ops_loader.py)")
+        sys.exit("needs the compiled CPU ops (engine/ops/build.py)")
     dtype = getattr(torch, args.dtype)
     report = {"dtype": args.dtype, "batch": args.batch, "context": args.context, "layers": LAYERS,
               "threads": torch.get_num_threads(), "omp_env": {k: v for k, v in os.environ.items() if "OMP" in k}}

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
 
     model = args.model or server_model(args.base_url, 60.0)
     if args.tokenizer is None:
-        from engine.loader import default_model_path
+        from engine.model_executor.loader import default_model_path
 
         args.tokenizer = str(default_model_path())
     with tempfile.TemporaryDirectory() as tmp:

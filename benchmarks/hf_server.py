@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: engine.loader's default model
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: engine.model_executor.loader's default model
 
 import torch  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
@@ -171,7 +171,7 @@ def main() -> None:
     import uvicorn
 
     if args.model is None:
-        from engine.loader import default_model_path
+        from engine.model_executor.loader import default_model_path
 
         args.model = str(default_model_path())
     name = args.served_model_name or args.model.rstrip("/").split("/")[-1]

@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+from engine.platform.openmp import apply_serving_default  # noqa: E402  (no torch import)
 
 apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import ops  # noqa: E402
-from engine.attention import Attention, AttentionMetadata, PrefillSpan  # noqa: E402
+from engine.model_executor.layers.attention import Attention, AttentionMetadata, PrefillSpan  # noqa: E402
 
 FULL_BATCHES = [1, 8, 32, 64, 128, 256]
 FULL_CONTEXTS = [128, 512, 1024, 2048, 4096]

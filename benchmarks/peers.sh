@@ -23,7 +23,7 @@
 # MODEL=llama1b: a random-weight Llama at 1B shapes (benchmarks/bench_model.py: hidden 2048, 16 layers, 32/8 heads,
 # MLP 8192, SmolLM2's tokenizer, 1.17B parameters), built in-process once into $CACHE/models/bench-llama-1.17b,
 # instead of the 135M default model. DTYPES q8_0: llama.cpp's converter writes a Q8_0 GGUF (--outtype q8_0);
-# llama-server serves it, and pagedserve serves the same file natively (int8 weights, engine/gguf_q8.py) with
+# llama-server serves it, and pagedserve serves the same file natively (int8 weights, engine/model_executor/gguf_q8.py) with
 # bfloat16 activations (PS_Q8_DTYPE).
 #
 # ISA=avx2 runs both servers as on an AVX2-only CPU (Zen 3): llama.cpp built with AVX2/FMA/F16C and no AVX-512
@@ -62,7 +62,7 @@ esac
 SERVER=$BUILD/bin/llama-server
 ISA_NOTE=$([[ $ISA == native ]] || echo ", $ISA paths")
 # OpenMP: neither variable set, so each server keeps its own default: pagedserve's GOMP_SPINCOUNT=4000
-# (engine/openmp.py), llama-server libgomp's 300000; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment
+# (engine/platform/openmp.py), llama-server libgomp's 300000; an OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment
 # applies to both.
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUT" "$LLAMA"
@@ -74,7 +74,7 @@ gguf_file() { echo "$LLAMA/$GGUF_PREFIX-$(gguf_type "$1").gguf"; }
 # The benchmark model's HF folder (the default model converted once, or the random 1.17B Llama built once).
 model_dir() {
     case $MODEL in
-        smollm2) "$PY" -c 'from engine.loader import default_model_path; print(default_model_path())' ;;
+        smollm2) "$PY" -c 'from engine.model_executor.loader import default_model_path; print(default_model_path())' ;;
         llama1b) nice "$PY" benchmarks/bench_model.py "$CACHE/models/bench-llama-1.17b" ;;
     esac
 }
@@ -102,7 +102,7 @@ build_llama_server() {
     nice cmake --build "$BUILD" --target llama-server -j "$(nproc)"
 }
 
-# The default model as the converted HF folder (engine/loader.py), then as one GGUF per dtype.
+# The default model as the converted HF folder (engine/model_executor/loader.py), then as one GGUF per dtype.
 convert_ggufs() {
     local model
     model=$(model_dir)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+from engine.platform.openmp import apply_serving_default  # noqa: E402  (no torch import)
 
 apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 
@@ -69,7 +69,7 @@ class StageTimer:
         setattr(obj, name, timed)
 
 
-# The compiled kernels of engine/ops.py are plain Python-bound calls, which torch.profiler does not see: without
+# The compiled kernels of engine/ops/__init__.py are plain Python-bound calls, which torch.profiler does not see: without
 # ranges of their own, --torch-profile listed only the aten glue between them (~5 % of a step).
 PROFILED_OPS = ("small_gemm", "llama_decode_layers", "paged_attention", "prefill_attention", "reshape_and_cache",
                 "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "argmax_logsumexp")

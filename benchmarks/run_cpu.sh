@@ -17,7 +17,7 @@ PARTS=" ${PARTS:-served hf plot offline profile} "
 DTYPES=${DTYPES:-float32 bfloat16}
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1
-[[ -n ${OMP_WAIT_POLICY:-}${GOMP_SPINCOUNT:-} ]] || export GOMP_SPINCOUNT=4000  # pagedserve serve's default (engine/openmp.py), for every server here
+[[ -n ${OMP_WAIT_POLICY:-}${GOMP_SPINCOUNT:-} ]] || export GOMP_SPINCOUNT=4000  # pagedserve serve's default (engine/platform/openmp.py), for every server here
 
 # shellcheck source=benchmarks/lib.sh
 source benchmarks/lib.sh

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.block_allocator import NO_PREFIX_HASH, hash_block  # noqa: E402
+from engine.core.block_allocator import NO_PREFIX_HASH, hash_block  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.core.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus  # noqa: E402
 
 

@@ -4,7 +4,7 @@ A decode step reads every weight once: SmolLM2-135M's 30 layers of four linears 
 gate_up 576->3072, down 1536->576), each layer with its own weights (cold, as in a forward), and the LM head
 (576->49152, the largest single read). Per row count (1, 2, 4, 8, 16) this times one sweep of them with
 
-- small: csrc/cpu/small_gemm.cpp over weights packed by engine/cpu_linear.py's pack_small_rows;
+- small: csrc/cpu/small_gemm.cpp over weights packed by engine/model_executor/layers/cpu_linear.py's pack_small_rows;
 - onednn: the packed oneDNN linear (torch.ops.mkldnn._linear_pointwise) pagedserve used before;
 
 and reports the weight bytes read per second (GB/s, median of repeats), next to a plain copy of a buffer of the
@@ -21,13 +21,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+from engine.platform.openmp import apply_serving_default  # noqa: E402  (no torch import)
 
 apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 import torch  # noqa: E402
 
 from engine import ops  # noqa: E402
-from engine.cpu_linear import pack_small_rows  # noqa: E402
+from engine.model_executor.layers.cpu_linear import pack_small_rows  # noqa: E402
 from kernels import timed  # noqa: E402  (benchmarks/kernels.py: median seconds per call)
 
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)

@@ -87,7 +87,7 @@ def _rank(rank: int, port: int, min_time: float, queue) -> None:
 def collectives(min_time: float) -> dict:
     import multiprocessing
 
-    from engine.distributed import free_port
+    from engine.distributed.group import free_port
 
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -116,7 +116,7 @@ def model_folder() -> Path:
     """A config + tokenizer folder of SHAPE (weights: --load-format dummy), under $PAGEDSERVE_CACHE."""
     from transformers import LlamaConfig
 
-    from engine.loader import cache_dir, default_model_path
+    from engine.model_executor.loader import cache_dir, default_model_path
 
     folder = cache_dir() / "bench" / "smollm2-shaped-tp2"
     if not (folder / "config.json").exists():
@@ -130,7 +130,7 @@ def model_folder() -> Path:
 
 
 def served(tp: int, sweep: str, out_dir: Path) -> dict:
-    from engine.distributed import free_port
+    from engine.distributed.group import free_port
 
     port = free_port()
     log = out_dir / f"server_tp{tp}.log"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from engine.openmp import apply_serving_default  # noqa: E402  (no torch import)
+from engine.platform.openmp import apply_serving_default  # noqa: E402  (no torch import)
 
 apply_serving_default()  # as `pagedserve serve` does, before torch loads libgomp
 
@@ -94,7 +94,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.loader import default_model_path
+    from engine.model_executor.loader import default_model_path
 
     model_dir = args.model or str(default_model_path())
     prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.input_len, args.seed)

@@ -143,7 +143,7 @@ void rotary_embedding(const torch::Tensor& positions,        // [num_tokens] int
   pagedserve::cpu::rotary_embedding(positions, x, cos_sin_cache);
 }
 
-// prefill_attention and argmax_logsumexp are CPU-only: engine/ops.py sends CUDA tensors to the torch reference.
+// prefill_attention and argmax_logsumexp are CPU-only: engine/ops/__init__.py sends CUDA tensors to the torch reference.
 void cpu_only(std::initializer_list<const torch::Tensor*> tensors, const char* op) {
   if (any_cuda(tensors)) no_cuda(op);
 }
@@ -251,7 +251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer_slots", &pagedserve::cpu::decode_layer_slots, "tensors per layer in llama_decode_layers");
   m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
   m.def("q8_gemm", &q8_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"),
-        py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/quant.py");
+        py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/model_executor/layers/quant.py");
   m.def("q8_gemm_isa", &pagedserve::cpu::q8_gemm_isa, "the best q8_gemm path on this CPU and build (0: none)");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");

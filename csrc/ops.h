@@ -4,7 +4,7 @@
 //   [num_blocks, num_kv_heads, block_size, head_size]
 // A slot is block_id * block_size + offset; a negative slot is skipped.
 // bindings.cpp registers these with Python and dispatches on the device of the
-// tensors; engine/ops.py is the only Python module that loads them.
+// tensors; engine/ops/__init__.py is the only Python module that loads them.
 #pragma once
 
 // Only the light ATen header: the kernels' files compile in seconds, and the
@@ -37,7 +37,7 @@ void paged_attention(
 // prefix). GQA by num_heads / num_kv_heads. The caches may be any strided view
 // with contiguous head vectors: a step's own K/V rows pass as one block.
 // sliding_window as for paged_attention, per query token.
-// CPU only (engine/ops.py runs the torch reference for CUDA tensors).
+// CPU only (engine/ops/__init__.py runs the torch reference for CUDA tensors).
 void prefill_attention(
     at::Tensor& out,                 // [q_len, num_heads, head_size], heads contiguous
     const at::Tensor& query,         // [q_len, num_heads, head_size] (rows may be strided)
@@ -108,7 +108,7 @@ void argmax_logsumexp(
 
 // ---- small-row linear (CPU only; csrc/cpu/small_gemm.cpp has the packed layouts).
 
-// out = x @ W^T (+ bias) for a few rows, W packed by engine/cpu_linear.py's pack_small_rows.
+// out = x @ W^T (+ bias) for a few rows, W packed by engine/model_executor/layers/cpu_linear.py's pack_small_rows.
 void small_gemm(
     at::Tensor& out,                           // [M, N] x's dtype, rows contiguous; float32 for a bfloat16 x holds
                                                // the bfloat16 result widened (F.linear(...).float())
@@ -130,13 +130,13 @@ bool small_gemm_glu(
 // The best small_gemm path this build has (the isa codes above), 0 when none.
 int64_t small_gemm_isa();
 
-// ---- int8 (Q8_0) linear (CPU only; csrc/cpu/q8_gemm.cpp has the packed layout, engine/quant.py packs it).
+// ---- int8 (Q8_0) linear (CPU only; csrc/cpu/q8_gemm.cpp has the packed layout, engine/model_executor/layers/quant.py packs it).
 
-// out = x @ W^T (+ bias) for any row count, W as llama.cpp's Q8_0 blocks packed by engine/quant.py's pack_q8.
+// out = x @ W^T (+ bias) for any row count, W as llama.cpp's Q8_0 blocks packed by engine/model_executor/layers/quant.py's pack_q8.
 void q8_gemm(
     at::Tensor& out,                           // [M, N] float32 or bfloat16, rows contiguous
     const at::Tensor& x,                       // [M, K] float32 or bfloat16, rows contiguous
-    const at::Tensor& packed,                  // uint8, engine/quant.py q8_numel(N, K) bytes (1-D)
+    const at::Tensor& packed,                  // uint8, engine/model_executor/layers/quant.py q8_numel(N, K) bytes (1-D)
     const c10::optional<at::Tensor>& bias,     // [N] or None
     int64_t isa);                              // 0: the best this CPU and build have; 2 AVX2 (x in float32),
                                                // 5 AVX-512 VNNI (x quantized per 32-block)
@@ -147,7 +147,7 @@ int64_t q8_gemm_isa();
 // ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
 // Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, as
-// engine/models/llama.py's eager layers call them (gate_up and silu_and_mul fused into small_gemm_glu where it
+// engine/model_executor/models/llama.py's eager layers call them (gate_up and silu_and_mul fused into small_gemm_glu where it
 // serves, the same bits), and returns the residual stream after the last layer (before
 // the final norm): [T, hidden]. The tokens are laid out as the eager step's: the prefill spans first (each a
 // (start, end, context_len) triple in `prefill_spans`; its table in `prefill_tables`, empty when the span has no

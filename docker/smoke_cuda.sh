@@ -78,6 +78,6 @@ if ! docker build --network host --progress plain -f "$REPO/docker/Dockerfile" "
     tail -40 "$SMOKE_DIR/build-cuda.log"; log "build FAILED ($SMOKE_DIR/build-cuda.log)"; exit 1
 fi
 grep -E '^#[0-9]+ (\[|DONE [0-9.]+s$)' "$SMOKE_DIR/build-cuda.log" | grep -B1 DONE | grep '\[' || true
-docker run --rm --entrypoint python "$IMAGE" -c "import torch, engine.prefill_kernels as p; \
+docker run --rm --entrypoint python "$IMAGE" -c "import torch, engine.model_executor.layers.prefill_kernels as p; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'candidates', [k.name for k in p.installed_kernels()])"
 log "PASSED: $IMAGE built in $(( $(now) - t )) s; $(docker image ls "$IMAGE" --format '{{.Size}}')"

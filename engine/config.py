@@ -41,7 +41,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    # Weights as int8 (llama.cpp's Q8_0 blocks, engine/quant.py; CPU only). None: float weights, except a GGUF
+    # Weights as int8 (llama.cpp's Q8_0 blocks, engine/model_executor/layers/quant.py; CPU only). None: float weights, except a GGUF
     # whose weights are Q8_0, which is served as it is (not dequantized); "int8": quantize a float checkpoint at
     # load; "none": float weights always (a Q8_0 GGUF dequantized, as before).
     quantization: Optional[str] = None
@@ -62,14 +62,14 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     watermark: float = 0.01
     max_logprobs: int = 20
-    # Ranks that each hold 1/N of the model (engine/tp_workers.py); on CPU each gets 1/N of the cores.
+    # Ranks that each hold 1/N of the model (engine/worker/tp_workers.py); on CPU each gets 1/N of the cores.
     tensor_parallel_size: int = 1
     # Seconds the ranks wait for each other to start, and at most in any one collective.
     distributed_timeout: float = 120.0
     # Every step op by op (the reference). Off: a CPU step runs its decoder layers in one compiled call
-    # (engine/models/compiled_decode.py), bit-identical; CUDA steps always run eagerly (no CUDA graphs yet).
+    # (engine/model_executor/models/compiled_decode.py), bit-identical; CUDA steps always run eagerly (no CUDA graphs yet).
     enforce_eager: bool = False
-    # MiB of compiled structured-output grammars kept (engine/structured.py), least recently used dropped first:
+    # MiB of compiled structured-output grammars kept (engine/structured_output/grammars.py), least recently used dropped first:
     # every distinct schema, regex or grammar a client sends is a new one (tens of KiB to MiBs each, growing
     # with the vocabulary), so the bound is in bytes. 0: nothing is kept, every constrained request compiles.
     grammar_cache_mb: float = 16.0

@@ -9,22 +9,22 @@ import time
 from typing import Any, Callable, Iterable, Optional, Union
 
 from engine import ops
-from engine.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine
 from engine.config import EngineConfig
-from engine.distributed import TPGroup, torchrun_env
+from engine.distributed.group import TPGroup, torchrun_env
 from engine.faults import ADMISSION, STAGES, FaultInjector, StepError, block_problems
-from engine.loader import load_hf_config, resolve_device
-from engine.models.llama import ModelArgs
+from engine.model_executor.loader import load_hf_config, resolve_device
+from engine.model_executor.models.llama import ModelArgs
 from engine.output_processor import OutputProcessor, RowStops
-from engine.prompt_logprobs import add_prompt_logprobs
-from engine.protocol import EngineStats
-from engine.sampler import BatchParams, RowSamples, Sampler
+from engine.sample.prompt_logprobs import add_prompt_logprobs
+from engine.metrics import EngineStats
+from engine.sample.sampler import BatchParams, RowSamples, Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
-from engine.structured import StructuredOutputs
-from engine.tp_workers import TensorParallelError, TPWorkers
-from engine.worker import RankState
+from engine.structured_output.grammars import StructuredOutputs
+from engine.worker.tp_workers import TensorParallelError, TPWorkers
+from engine.worker.rank_state import RankState
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class LLMEngine:
         device = resolve_device(config)
         config.resolve_block_size(device.type)
         ops.require_backend(device)
-        # Tensor parallelism: the other ranks load their shards alongside this one (engine/tp_workers.py).
+        # Tensor parallelism: the other ranks load their shards alongside this one (engine/worker/tp_workers.py).
         self.workers: Optional[TPWorkers] = None
         tp = TPGroup.single()
         if config.tensor_parallel_size > 1 or torchrun_env() is not None:

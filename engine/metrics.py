@@ -3,12 +3,32 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from engine.protocol import EngineStats
 from engine.sequence import RequestOutput
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for /metrics and the periodic log line."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    device_cache_usage: float
+    cpu_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_device_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
 
 logger = logging.getLogger("pagedserve.stats")
 

@@ -8,9 +8,9 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from engine.detokenizer import Detokenizer
-from engine.sampler import Sample
+from engine.sample.sampler import Sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import BlockActions
+from engine.core.scheduler import BlockActions
 from engine.sequence import (
     CompletionOutput,
     RequestOutput,
@@ -151,7 +151,7 @@ class OutputProcessor:
     def process_rows(self, groups: list[tuple[SequenceGroup, list[Sequence]]], token_ids: list[int],
                      logprobs: list[float], flagged: set[int]) -> tuple[BlockActions, list[SequenceGroup],
                                                                          list[tuple[SequenceGroup, Exception]]]:
-        """A step where every row drew one token (engine/sampler.py's sample_rows): append each, detokenize, and
+        """A step where every row drew one token (engine/sample/sampler.py's sample_rows): append each, detokenize, and
         run the stop checks on the `flagged` rows only (RowStops). Returns the blocks to free, the groups that
         finished, and the groups whose processing raised (their own error; the others go on)."""
         actions = BlockActions()

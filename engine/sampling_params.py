@@ -60,7 +60,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
     # Token ids of each banned word: its last token is masked whenever the output ends with the others.
     bad_words_token_ids: Optional[list[list[int]]] = None
-    # The output must match this (JSON schema, JSON object, regex, choice, grammar): engine/structured.py.
+    # The output must match this (JSON schema, JSON object, regex, choice, grammar): engine/structured_output/grammars.py.
     guided: Optional[GuidedSpec] = None
     max_logprobs: int = field(default=20, repr=False)
 

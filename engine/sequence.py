@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured import GrammarState
+    from engine.structured_output.grammars import GrammarState
 
 # token id -> logprob, for the sampled token and its top alternatives.
 Logprobs = dict[int, float]
@@ -184,6 +184,11 @@ class SequenceGroup:
         if params.use_beam_search or self.before_first_token():  # the one sequence forks to best_of
             return params.best_of
         return len(self.unfinished_seqs())
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the request asked for prompt logprobs (then every prompt position's logits are needed)."""
+        return self.sampling_params.prompt_logprobs is not None
 
     def is_finished(self) -> bool:
         for s in self.seqs:

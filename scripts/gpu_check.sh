@@ -153,7 +153,7 @@ prefill_kernel() {
   "$python" - "$device" <<'EOF'
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from engine.prefill_kernels import ProbeShape, candidates_for, installed_kernels, select_prefill_kernel
+from engine.model_executor.layers.prefill_kernels import ProbeShape, candidates_for, installed_kernels, select_prefill_kernel
 device = torch.device(sys.argv[1])
 candidates = candidates_for(device) or installed_kernels()  # the CPU engine probes none: show the chain anyway
 kernel = select_prefill_kernel(candidates, ProbeShape(32, 8, 64, torch.bfloat16, device))

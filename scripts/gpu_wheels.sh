@@ -40,7 +40,7 @@ mkdir -p "$dest"
   --abi cp312 --abi abi3 --abi none "${platform_args[@]}" -d "$dest" "${specs[@]}"
 # The default model's tokenizer and config.json (never its weights): scripts/gpu_check.sh builds random-weight
 # models of its shapes and serves it with --load-format dummy.
-model="$(cd "$root" && "$python" -c 'from engine.loader import default_model_path; print(default_model_path())')"
+model="$(cd "$root" && "$python" -c 'from engine.model_executor.loader import default_model_path; print(default_model_path())')"
 mkdir -p "$dest/SmolLM2-135M-Instruct"
 cp "$model"/*.json "$model"/*.jinja "$dest/SmolLM2-135M-Instruct/"
 echo "gpu_wheels: $(find "$dest" -name '*.whl' | wc -l) wheels and the default model's tokenizer and config in $dest" \

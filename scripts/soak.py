@@ -320,7 +320,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     if any(idle[k] != 0 for k in GAUGES):
         problems.append(f"the server was not idle after the traffic: {idle}")
     # Flat means flat: the native caches that used to fill for minutes are bounded (server/cli.py) and freed
-    # heap pages go back to the OS (engine/async_engine.py), so what is left is noise; the limit scales a
+    # heap pages go back to the OS (engine/frontend/async_engine.py), so what is left is noise; the limit scales a
     # little with the process.
     rss_limit_mib = max(args.max_rss_drift_mib, args.max_rss_drift_pct / 100 * rss[0] / 2**20) if rss else None
     report["rss_drift_limit_mib"] = round(rss_limit_mib, 1) if rss_limit_mib else None

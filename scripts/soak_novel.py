@@ -35,7 +35,7 @@ import httpx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from soak import DEFAULT_SERVER_ARGS, rss_bytes, start_server, wait_idle  # noqa: E402
 
-TRIM_WAIT_S = 11.0  # the engine hands freed heap back at most every 10 s (engine/async_engine.py TRIM_INTERVAL_S)
+TRIM_WAIT_S = 11.0  # the engine hands freed heap back at most every 10 s (engine/frontend/async_engine.py TRIM_INTERVAL_S)
 BIG_MESSAGES, BIG_KEYS = 1024, 40
 
 

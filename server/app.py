@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.protocol import EngineClient
+from engine.frontend.protocol import EngineClient
 from server import __version__
 from server.errors import error_response, install_error_handlers
 from server.limits import integer_bounds

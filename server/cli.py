@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from engine.config import BLOCK_SIZES, EngineConfig, PreemptionMode, SchedulingPolicy
-from engine.openmp import apply_serving_default
+from engine.platform.openmp import apply_serving_default
 from server.tools import PARSERS
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -110,8 +110,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.async_engine import AsyncLLMEngine
-    from engine.distributed import StartupError, torchrun_env
+    from engine.frontend.async_engine import AsyncLLMEngine
+    from engine.distributed.group import StartupError, torchrun_env
     from server.app import create_app
 
     try:
@@ -162,7 +162,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _serve_as_worker(config: EngineConfig, rank: int, world: int) -> int:
     """Rank `rank` of a torchrun launch: hold this rank's shard and follow rank 0's steps until it stops."""
-    from engine.tp_workers import run_worker
+    from engine.worker.tp_workers import run_worker
 
     if world != config.tensor_parallel_size:
         raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} does not match WORLD_SIZE {world}.")
@@ -211,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for name, value in NATIVE_CACHE_ENV.items():
         os.environ.setdefault(name, value)
-    apply_serving_default()  # OpenMP workers spin across a step's gaps, sleep between steps (engine/openmp.py)
+    apply_serving_default()  # OpenMP workers spin across a step's gaps, sleep between steps (engine/platform/openmp.py)
     if args.command == "serve":
         return serve(args)
     return 2

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel
 
-from engine.protocol import EngineClient
+from engine.frontend.protocol import EngineClient
 from server.protocol import unknown_fields
 
 logger = logging.getLogger(__name__)

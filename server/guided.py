@@ -1,4 +1,4 @@
-"""A request's structured-output fields -> one GuidedSpec (engine/structured.py compiles it), or a 400."""
+"""A request's structured-output fields -> one GuidedSpec (engine/structured_output/grammars.py compiles it), or a 400."""
 from __future__ import annotations
 
 import json

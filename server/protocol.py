@@ -82,7 +82,7 @@ class StructuredOutputsParams(RequestModel):
 
 
 class GuidedFields(RequestModel):
-    """Structured outputs: the output is constrained by a grammar (engine/structured.py); at most one of these."""
+    """Structured outputs: the output is constrained by a grammar (engine/structured_output/grammars.py); at most one of these."""
 
     response_format: Optional[ResponseFormat] = None
     guided_json: Union[dict[str, Any], Text, None] = None

@@ -11,7 +11,7 @@ from fastapi import Request
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
-from engine.async_engine import EngineDeadError, RequestFailedError
+from engine.frontend.async_engine import EngineDeadError, RequestFailedError
 from engine.sequence import RequestOutput
 from server import formatting, tools
 from server.errors import APIError, error_body

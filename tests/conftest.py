@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.openmp import apply_serving_default  # no torch import
+from engine.platform.openmp import apply_serving_default  # no torch import
 from tiny_models import save_random_model, tiny_llama_config, tiny_llama_hd64_config
 
 # Never reach a model hub from the tests.
@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default SmolLM2 as an HF safetensors folder ($PAGEDSERVE_CACHE or ~/.cache/pagedserve); converted once."""
-    from engine.loader import default_model_path
+    from engine.model_executor.loader import default_model_path
 
     return default_model_path()
 

@@ -48,7 +48,7 @@ def load_default_tokenizer():
     """The default SmolLM2 tokenizer: the converted cache folder if present, else straight from the GGUF."""
     from transformers import AutoTokenizer
 
-    from engine.loader import DEFAULT_MODEL_ID, cache_dir, default_gguf_path
+    from engine.model_executor.loader import DEFAULT_MODEL_ID, cache_dir, default_gguf_path
 
     converted = cache_dir() / "models" / DEFAULT_MODEL_ID
     if (converted / "tokenizer_config.json").exists():

@@ -1,13 +1,13 @@
 // A Llama-family CPU step's decoder layers as one C++ loop (the CPU twin of a captured CUDA graph).
 //
-// The eager model (engine/models/llama.py) runs each layer as ~12 Python-level op calls: that Python and dispatch
+// The eager model (engine/model_executor/models/llama.py) runs each layer as ~12 Python-level op calls: that Python and dispatch
 // cost ~150 us a layer, ~4.5 ms a step of SmolLM2's 30 layers, next to ~14 ms of weight reading in a decode step
 // (docs/benchmarks.md, "Compiled decode step"). Here the same kernels are called directly, in the same order on
 // the same buffers, so the result is bit-identical to the eager path's; only the calls between them are gone.
 // One difference in the calls, not in the bits: the MLP's gate/up linear and its activation run as one fused
 // kernel (small_gemm_glu, whose epilogue computes silu_and_mul's arithmetic) where the CPU path has one.
 // Every linear is a small-row GEMM over its pack_small_rows weight, or an int8 one over Q8_0 weights (q8_gemm,
-// engine/quant.py). A step may hold prefill spans (prompts, or chunks of them) before its decode tokens, as the
+// engine/model_executor/layers/quant.py). A step may hold prefill spans (prompts, or chunks of them) before its decode tokens, as the
 // eager step does.
 #include <algorithm>
 
@@ -34,7 +34,7 @@ c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
   return b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
 }
 
-// A linear over its packed weight: int8 (engine/quant.py's uint8 Q8_0 form) or small_gemm's float32 / bfloat16.
+// A linear over its packed weight: int8 (engine/model_executor/layers/quant.py's uint8 Q8_0 form) or small_gemm's float32 / bfloat16.
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   if (w.scalar_type() == at::kByte) {
     q8_gemm(out, x, w, bias_of(bias), 0);
@@ -99,7 +99,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_size});
   at::Tensor attn_rows = attn.view({t, q_size});
   // Per prefill span: its rows of the output, the query, and (no cached prefix) its own K/V seen as one block
-  // [1, num_kv_heads, len, head_size] with the table {0}, as engine/attention.py's _prefill_cpu passes them.
+  // [1, num_kv_heads, len, head_size] with the table {0}, as engine/model_executor/layers/attention.py's _prefill_cpu passes them.
   const at::Tensor one_block = at::zeros({1}, positions.options().dtype(at::kInt));
   std::vector<at::Tensor> span_out, span_q, span_k, span_v;
   for (int64_t s = 0; s < spans; ++s) {

@@ -1,5 +1,5 @@
 // Work sharing for the attention kernels. A thread that waits at a barrier spins
-// (GOMP_SPINCOUNT=4000 under `pagedserve serve`, engine/openmp.py), holding a core
+// (GOMP_SPINCOUNT=4000 under `pagedserve serve`, engine/platform/openmp.py), holding a core
 // the caller or another process could use, then sleeps; under OMP_WAIT_POLICY=PASSIVE
 // (a crowded machine's choice) it sleeps at once, and waking it costs tens of
 // microseconds (measured ~30 us on a 2-vCPU VM), as much as a decode step's

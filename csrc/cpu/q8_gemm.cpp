@@ -1,10 +1,10 @@
 // int8 weights for CPU linears: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in llama.cpp's Q8_0 form.
 //
 // Q8_0: each run of 32 weights along K (a "block") is 32 int8 values q and one float16 scale d, w = d * q
-// (engine/quant.py quantizes a float weight so, or takes a GGUF Q8_0 tensor's blocks as they are). At a few rows a
+// (engine/model_executor/layers/quant.py quantizes a float weight so, or takes a GGUF Q8_0 tensor's blocks as they are). At a few rows a
 // linear is bound by reading W once: 34 bytes per 32 weights against bfloat16's 64 (issue 42).
 //
-// Packed layout (engine/quant.py pack_q8), one uint8 tensor, N padded to 16 columns and K to 32 with zeros:
+// Packed layout (engine/model_executor/layers/quant.py pack_q8), one uint8 tensor, N padded to 16 columns and K to 32 with zeros:
 //
 //   weights: [N/16][K/32][8][16][4]  uint8  q + 128 (offset binary) of 16 columns side by side, 4 k of a column in
 //                                           each 32-bit lane: vpdpbusd's unsigned operand
@@ -69,7 +69,7 @@ Isa best_isa() {
 #if defined(__AVX2__) && defined(__FMA__)
   return kAvx2;
 #else
-  return kAuto;  // none: q8_gemm_isa() reports 0 and engine/quant.py refuses int8 weights
+  return kAuto;  // none: q8_gemm_isa() reports 0 and engine/model_executor/layers/quant.py refuses int8 weights
 #endif
 }
 
@@ -114,7 +114,7 @@ struct XQuant {
 template <typename T>
 inline float as_float(T v) { return static_cast<float>(v); }
 
-// One row's 32-blocks, quantized as engine/quant.py's reference does: dx = amax / 127 (float32), xq = round-half-even
+// One row's 32-blocks, quantized as engine/model_executor/layers/quant.py's reference does: dx = amax / 127 (float32), xq = round-half-even
 // (x * (1 / dx)); a block of zeros has dx = 0 and xq = 0.
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t kb, int8_t* q, float* d, int32_t* corr) {
@@ -355,7 +355,7 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 1, "q8_gemm: x [M, K], out [M, N], packed 1-D");
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), "q8_gemm: CPU tensors");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "q8_gemm: the packed weight is uint8 "
-              "(engine/quant.py pack_q8), got ", packed.scalar_type());
+              "(engine/model_executor/layers/quant.py pack_q8), got ", packed.scalar_type());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "q8_gemm: x is float32 or "
               "bfloat16, got ", x.scalar_type());
   TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "q8_gemm: out is float32 or "

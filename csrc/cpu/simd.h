@@ -2,7 +2,7 @@
 // GCC vector extensions become zmm code under -mavx512f, ymm under -mavx2 and
 // xmm (or scalars, N = 1) otherwise. Intrinsics appear only where the generic
 // form compiles badly (bf16/fp16 widening, the cross-lane reduction).
-// engine/ops.py picks the -m flags from /proc/cpuinfo.
+// engine/ops/__init__.py picks the -m flags from /proc/cpuinfo.
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 //
 // Why: at a few rows a linear is a matrix-vector product, bound by reading W once. oneDNN's packed GEMM is
 // built for many rows and streamed SmolLM2's weights at ~13 GB/s at one row on a VM that copies ~33 GB/s
-// (issue 16). Here W is repacked once at load (engine/cpu_linear.py) so that each thread reads one
+// (issue 16). Here W is repacked once at load (engine/model_executor/layers/cpu_linear.py) so that each thread reads one
 // contiguous range of it, front to back, and each weight vector loaded feeds every row of x:
 //
 //   float32:  [N/16][K][16]           16 output columns of one k side by side
@@ -18,7 +18,7 @@
 // SmolLM2 prefill step of 2048 tokens took 1179 -> 1135 ms (bfloat16) and 2197 -> 2143 ms (float32), a decode
 // step at 32 streams 64.2 -> 62.5 ms (float32) and ~1 % less (bfloat16), in-process A/Bs on a Zen 4.
 //
-// Paths, picked at run time from what the build targets (engine/ops_loader.py), or forced by `isa` (tests
+// Paths, picked at run time from what the build targets (engine/ops/build.py), or forced by `isa` (tests
 // run the AVX2 path on an AVX-512 machine): AVX-512 BF16 (vdpbf16ps), AVX-512F, AVX2+FMA. Without
 // vdpbf16ps a bfloat16 pair is widened by two integer ops: (pair << 16) is the even k, (pair & 0xffff0000)
 // the odd one.
@@ -97,7 +97,7 @@ Isa best_isa() {
 #elif defined(__AVX2__) && defined(__FMA__)
   return kAvx2;
 #else
-  return kAuto;  // none: small_gemm_isa() reports 0 and engine/cpu_linear.py keeps oneDNN
+  return kAuto;  // none: small_gemm_isa() reports 0 and engine/model_executor/layers/cpu_linear.py keeps oneDNN
 #endif
 }
 

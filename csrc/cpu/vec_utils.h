@@ -13,7 +13,7 @@ namespace cpu {
 namespace vec {
 
 // Rows below this many elements run on the calling thread. Inside a step the other OpenMP thread is still
-// spinning from the kernel before (GOMP_SPINCOUNT=4000, engine/openmp.py), so a parallel region costs a few
+// spinning from the kernel before (GOMP_SPINCOUNT=4000, engine/platform/openmp.py), so a parallel region costs a few
 // microseconds and halving a norm or an activation of 8 sequences and more pays: bfloat16 decode step at 32
 // sequences 38.4 -> 37.2 ms, at 8 14.05 -> 13.81 ms (in-process A/B, Zen 4; one stream and float32 at 16 the
 // same). The old 2^18 dated from OMP_WAIT_POLICY=PASSIVE, where each region woke a sleeping thread (50-100 us).

@@ -1,7 +1,7 @@
 // CUDA elementwise ops of a Llama block: RMSNorm (plain, and fused with the
 // residual add), neox RoPE and SiLU-and-mul, one launch each. float32 math
 // inside, rounded to the tensor dtype where the torch reference
-// (engine/ref_ops.py, HF's arithmetic) rounds, so kernel and reference differ
+// (engine/ops/reference.py, HF's arithmetic) rounds, so kernel and reference differ
 // only by summation order and fast-math exp/rsqrt.
 #include "launchers.h"
 #include "numerics.cuh"

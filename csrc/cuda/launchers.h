@@ -69,7 +69,7 @@ cudaError_t swap_blocks_launch(
     int num_pairs, int64_t bytes_per_block, cudaStream_t stream);
 
 // Elementwise ops of a Llama block, one launch each (elementwise_kernels.cu);
-// same numerics as engine/ref_ops.py. Rows are contiguous, row strides in elements.
+// same numerics as engine/ops/reference.py. Rows are contiguous, row strides in elements.
 
 // out = weight * x / rms(x), per row.
 cudaError_t rms_norm_launch(DType dtype,

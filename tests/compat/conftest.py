@@ -20,7 +20,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "server"))
 @pytest.fixture(scope="session")
 def compat_server(tiny_llama_dir):
     """The tiny Llama served as MODEL: 64 sequences a batch, room for 64 short streams at once."""
-    from engine.async_engine import AsyncLLMEngine
+    from engine.frontend.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
     from serving_harness import ServerThread
 

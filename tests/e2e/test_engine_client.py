@@ -1,4 +1,4 @@
-"""The engine's layers: LLMEngine is an EngineCore and AsyncLLMEngine an EngineClient (engine/protocol.py);
+"""The engine's layers: LLMEngine is an EngineCore and AsyncLLMEngine an EngineClient (engine/frontend/protocol.py);
 AsyncLLMEngine.shutdown reads no engine state while a step runs in the executor thread."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import inspect
 
-from engine.async_engine import AsyncLLMEngine
-from engine.protocol import EngineClient, EngineCore
+from engine.frontend.async_engine import AsyncLLMEngine
+from engine.frontend.protocol import EngineClient, EngineCore
 from engine.sampling_params import SamplingParams
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from engine.sampling_params import GuidedSpec
-from engine.structured import StructuredOutputs
+from engine.structured_output.grammars import StructuredOutputs
 
 LIMIT = 1 << 20  # 1 MiB; a small object schema compiles to ~40 KiB with SmolLM2's vocabulary
 

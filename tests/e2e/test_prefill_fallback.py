@@ -1,4 +1,4 @@
-"""CUDA prefill attention falls back past a kernel that is installed but cannot run (engine/prefill_kernels.py).
+"""CUDA prefill attention falls back past a kernel that is installed but cannot run (engine/model_executor/layers/prefill_kernels.py).
 
 PyPI's xformers 0.0.35 on torch 2.11+cu130 raised NotImplementedError ("No operator found ... xFormers wasn't built
 with CUDA support") on every prefill of an H100: the engine must probe once, warn once, and serve with the next
@@ -14,7 +14,7 @@ import torch
 
 from e2e_helpers import MAX_TOKENS, greedy, hf_greedy
 from engine import prefill_kernels
-from engine.prefill_kernels import ProbeShape, SdpaPerSequence, Xformers, select_prefill_kernel
+from engine.model_executor.layers.prefill_kernels import ProbeShape, SdpaPerSequence, Xformers, select_prefill_kernel
 
 XFORMERS_ERROR = ("No operator found for `memory_efficient_attention_forward` with inputs:\n"
                   "     query       : shape=(1, 8, 2, 3, 64) (torch.bfloat16)\n"

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import torch
 
-from engine.openmp import SERVING_OPENMP_ENV
+from engine.platform.openmp import SERVING_OPENMP_ENV
 from engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_importing_the_engine_and_server_sets_no_environment_variable():
-    # Without the OpenMP variables `pagedserve serve` sets (engine/openmp.py, from its entry point only), which the
+    # Without the OpenMP variables `pagedserve serve` sets (engine/platform/openmp.py, from its entry point only), which the
     # suite's own environment carries (tests/conftest.py): importing must not set them, nor anything else.
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", *SERVING_OPENMP_ENV)}
     code = ("import json, os; before = dict(os.environ)\n"
-            "import engine, engine.llm, engine.llm_engine, engine.async_engine, server.app, server.cli\n"
+            "import engine, engine.llm, engine.llm_engine, engine.frontend.async_engine, server.app, server.cli\n"
             "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)

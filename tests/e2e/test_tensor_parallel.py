@@ -106,7 +106,7 @@ def test_four_ranks_replicate_the_two_key_value_heads(make_llm, tiny_llama_dir, 
 
 def test_one_tensor_parallel_engine_per_process(tiny_llama_dir):
     from engine import LLM
-    from engine.distributed import StartupError
+    from engine.distributed.group import StartupError
 
     first = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
     try:
@@ -122,7 +122,7 @@ def test_the_thread_count_is_the_ranks_share_until_shutdown(tiny_llama_dir):
     """torch's thread count is process-wide: rank 0 takes its share of the cores while it runs, then gives the
     process its own count back."""
     from engine import LLM
-    from engine.distributed import cpu_threads_per_rank
+    from engine.distributed.group import cpu_threads_per_rank
 
     share, before = cpu_threads_per_rank(2), torch.get_num_threads()
     torch.set_num_threads(share + 2)
@@ -144,7 +144,7 @@ def test_a_dead_engines_shutdown_waits_for_the_step_in_flight(tiny_llama_dir):
     import threading
 
     import torch.distributed as dist
-    from engine.async_engine import AsyncLLMEngine
+    from engine.frontend.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
 
     in_step, release, group_alive_at_step_end = threading.Event(), threading.Event(), []

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import ops, ref_ops
+from engine import ops
+
+from engine.ops import reference as ref_ops
 from tests.kernels.conftest import CUDA_ONLY, DEVICES, random_block_tables, tolerances, torch_threads
 
 CONTEXT_LENS = [1, 17, 100, 33]  # 1 token, crossing block edges, several blocks

@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from engine import ops_loader
-from engine.ops_loader import BackendUnavailable, OpsBackend
+from engine.ops import build as ops_loader
+from engine.ops.build import BackendUnavailable, OpsBackend
 
 
 CUDA_MISMATCH = ("The detected CUDA version (12.8) mismatches the version that was used to compile PyTorch (13.0). "
@@ -103,7 +103,7 @@ def test_small_gemm_runs_on_the_torch_reference(fresh_loader, dtype):
     """ops.small_gemm and small_gemm_glu serve on the forced reference backend (as every op in ops.py does), with
     the compiled kernel's results: odd N and K, a bias, a bfloat16 GEMM widened into a float32 out."""
     from engine import ops
-    from engine.cpu_linear import pack_small_rows
+    from engine.model_executor.layers.cpu_linear import pack_small_rows
 
     gen = torch.Generator().manual_seed(1)
     n, k, rows = 37, 33, 5

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ops, ref_ops
+from engine import ops
+
+from engine.ops import reference as ref_ops
 from tests.kernels.conftest import DEVICES
 
 NUM_KV_HEADS, HEAD_SIZE = 2, 64

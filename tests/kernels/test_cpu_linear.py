@@ -1,4 +1,4 @@
-"""Prepacked linears (engine/cpu_linear.py) equal F.linear for every row count, the padded ones included, and
+"""Prepacked linears (engine/model_executor/layers/cpu_linear.py) equal F.linear for every row count, the padded ones included, and
 hold their weights once: the original is released, and a head tied to the embedding is held once (the embedding
 reads its rows from the head's small-row copy)."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_linear
-from engine.attention import AttentionMetadata, PrefillSpan
-from engine.cpu_linear import (EXACT_ROWS, SMALL_ROWS, bucket_rows, pack_linears, pack_small_rows, packed_dtypes,
+from engine.model_executor.layers import cpu_linear
+from engine.model_executor.layers.attention import AttentionMetadata, PrefillSpan
+from engine.model_executor.layers.cpu_linear import (EXACT_ROWS, SMALL_ROWS, bucket_rows, pack_linears, pack_small_rows, packed_dtypes,
                                packed_linear_available, small_rows_available, small_rows_of)
-from engine.models.llama import LlamaForCausalLM
+from engine.model_executor.models.llama import LlamaForCausalLM
 from tiny_models import tiny_llama_config
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(), reason="this torch has no oneDNN packed linear")
@@ -152,7 +152,8 @@ def _bfloat16_held_once() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
 def test_bfloat16_goes_to_the_small_row_kernel_alone_where_onednn_cannot_pack_it(monkeypatch):
     # An AVX2-only CPU (Zen 3): oneDNN has no bfloat16 there, and F.linear ran it ~4x slower than float32. The
     # decision is simulated (this machine's kernels run); `make test-avx2` runs the AVX2 kernels themselves.
-    from engine import cpu_linear, ops
+    from engine import ops
+    from engine.model_executor.layers import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "_onednn_packs_bf16", lambda: False)
     monkeypatch.setattr(cpu_linear, "_cpu_has_amx", lambda: False)  # nor AMX (this test ran on a Xeon with it)

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import ops, ref_ops
+from engine import ops
+
+from engine.ops import reference as ref_ops
 from tests.kernels.conftest import random_block_tables, tolerances, torch_threads
 
 
@@ -19,7 +21,7 @@ def fused_qkv(num_tokens, num_kv_heads, group, head_size, dtype, gen):
 
 
 def one_block_case(q_len, num_kv_heads, group, head_size, dtype, seed):
-    """No cached prefix: the step's own K/V rows as a single block, as engine/attention.py passes them."""
+    """No cached prefix: the step's own K/V rows as a single block, as engine/model_executor/layers/attention.py passes them."""
     q, k, v = fused_qkv(q_len, num_kv_heads, group, head_size, dtype, torch.Generator().manual_seed(seed))
     table = torch.zeros(1, dtype=torch.int32)
     return q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), table, q_len

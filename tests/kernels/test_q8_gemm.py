@@ -1,4 +1,4 @@
-"""The int8 GEMM (csrc/cpu/q8_gemm.cpp) equals its pure-torch reference (engine/quant.py ref_q8_gemm) on every ISA
+"""The int8 GEMM (csrc/cpu/q8_gemm.cpp) equals its pure-torch reference (engine/model_executor/layers/quant.py ref_q8_gemm) on every ISA
 path this CPU runs (AVX2 forced on an AVX-512 machine too), float32 and bfloat16 in and out, odd shapes (N not a
 multiple of 16, K not of 32), every tile height, with and without bias, strided rows, one and two threads; and
 quantize_q8_0 writes the bytes llama.cpp's gguf-py writes for a Q8_0 tensor."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import ops
-from engine.quant import (QK, dequantize_q8_0, pack_q8, q8_numel, q8_rows, quantize_q8_0, ref_q8_gemm)
+from engine.model_executor.layers.quant import (QK, dequantize_q8_0, pack_q8, q8_numel, q8_rows, quantize_q8_0, ref_q8_gemm)
 from kernels.conftest import torch_threads
 
 BEST = ops.q8_gemm_isa()

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import ops, ref_ops
+from engine import ops
+
+from engine.ops import reference as ref_ops
 from tests.kernels.conftest import DEVICES, tolerances, torch_threads
 from tests.kernels.test_attention import make_case
 from tests.kernels.test_prefill_attention import fused_qkv, one_block_case, paged_case
@@ -161,9 +163,9 @@ def test_bad_window_is_an_error():
 
 @pytest.mark.parametrize("num_cached", [0, 30])
 def test_cuda_sdpa_prefill_path_applies_the_window(num_cached):
-    """engine/attention.py's SDPA prefill (the CUDA path for windowed layers) run on CPU tensors: it equals the
+    """engine/model_executor/layers/attention.py's SDPA prefill (the CUDA path for windowed layers) run on CPU tensors: it equals the
     reference, and with a cached prefix it reads no block before the first query's window."""
-    from engine.attention import Attention, PrefillSpan
+    from engine.model_executor.layers.attention import Attention, PrefillSpan
 
     q_len, window, block_size = 20, 7, 8
     q, key_cache, value_cache, table, ctx = paged_case(q_len, num_cached, 2, 3, 64, block_size, torch.float32, seed=1)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine import ops
-from engine.cpu_linear import SMALL_ROWS, pack_linears, pack_small_rows, packed_dtypes, small_rows_available
+from engine.model_executor.layers.cpu_linear import SMALL_ROWS, pack_linears, pack_small_rows, packed_dtypes, small_rows_available
 from kernels.conftest import torch_threads
 
 BEST = ops.small_gemm_isa()
@@ -145,7 +145,7 @@ def test_packed_linear_uses_the_small_row_kernel_up_to_small_rows(dtype, monkeyp
     for rows in (1, 4, SMALL_ROWS, SMALL_ROWS + 1, 40):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         torch.testing.assert_close(layer(x), _expected(x, weight, bias), **_tolerance(dtype, 96))
-    if layer._packed_weight is None:  # the small-row kernel serves every row count (engine/cpu_linear.py)
+    if layer._packed_weight is None:  # the small-row kernel serves every row count (engine/model_executor/layers/cpu_linear.py)
         assert calls == [1, 4, SMALL_ROWS, SMALL_ROWS + 1, 40]
     else:
         assert calls == [1, 4, SMALL_ROWS]  # more rows go to oneDNN
@@ -223,7 +223,7 @@ def test_small_gemm_writes_a_bfloat16_result_widened_to_float32(isa, shape):
 def test_forward_float32_equals_linear_then_float(dtype):
     """cpu_linear.forward_float32 (the head's logits) gives linear(x).float() at every row count, from the kernel
     directly where it serves bfloat16 rows."""
-    from engine.cpu_linear import forward_float32
+    from engine.model_executor.layers.cpu_linear import forward_float32
 
     gen = torch.Generator().manual_seed(9)
     layer = nn.Linear(96, 200, bias=False, dtype=dtype)

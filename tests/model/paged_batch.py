@@ -5,12 +5,12 @@ import itertools
 
 import torch
 
-from engine.cache_engine import CacheEngine
+from engine.worker.cache_engine import CacheEngine
 from engine.config import EngineConfig
-from engine.loader import LoadedModel
-from engine.model_runner import ModelRunner
+from engine.model_executor.loader import LoadedModel
+from engine.worker.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledGroup, SchedulerOutput
+from engine.core.scheduler import ScheduledGroup, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tiny_models import tiny_llama_config
-from engine.cache_engine import CacheEngine, cache_block_bytes, determine_num_blocks, step_scratch_bytes
+from engine.worker.cache_engine import CacheEngine, cache_block_bytes, determine_num_blocks, step_scratch_bytes
 from engine.config import EngineConfig
-from engine.scheduler import SchedulerOutput
+from engine.core.scheduler import SchedulerOutput
 
 HF_CONFIG = tiny_llama_config()  # 2 layers, 2 KV heads, head_dim 16
 

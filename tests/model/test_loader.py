@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiny_models import copy_tokenizer, save_random_model, tiny_llama_config
-from engine import loader
+from engine.model_executor import loader
 from engine.config import EngineConfig
 
 

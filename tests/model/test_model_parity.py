@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from tiny_models import save_random_model, tiny_llama_config
 from engine.config import EngineConfig
-from engine.loader import load_model
+from engine.model_executor.loader import load_model
 from paged_batch import PagedBatch, append_greedy, hf_logits
 
 ATOL = RTOL = 1e-4
@@ -107,7 +107,7 @@ def test_prefill_with_cached_prefix_equals_full_prefill(model_pair):
 
 
 def test_unsupported_rope_scaling_is_refused(tmp_path, default_model_dir):
-    from engine.models.llama import LlamaForCausalLM
+    from engine.model_executor.models.llama import LlamaForCausalLM
 
     config = tiny_llama_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                 "short_factor": [1.0] * 8, "long_factor": [1.0] * 8})

@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams, ops
 from engine.config import EngineConfig
-from engine.quant import dequantize_q8_0, quantize_q8_0
+from engine.model_executor.layers.quant import dequantize_q8_0, quantize_q8_0
 
 pytestmark = pytest.mark.skipif(ops.q8_gemm_isa() == 0, reason="no int8 GEMM path on this CPU")
 
@@ -35,7 +35,7 @@ def write_q8_gguf(hf_dir: Path, out: Path) -> Path:
     import gguf
     from safetensors.torch import load_file
 
-    from engine.loader import default_gguf_path
+    from engine.model_executor.loader import default_gguf_path
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -99,7 +99,7 @@ def _greedy(llm: LLM, tokens: int = 24) -> list[list[int]]:
 
 
 def _load(**kwargs):
-    from engine import loader
+    from engine.model_executor import loader
 
     return loader.load_model(EngineConfig(device="cpu", **kwargs)).model
 
@@ -118,7 +118,7 @@ def test_quantization_int8_holds_every_linear_in_q8_0_blocks(tiny_llama_dir):
 
 def test_q8_0_gguf_loads_natively_with_the_blocks_int8_quantization_makes(tiny_llama_dir, q8_gguf):
     """The file's blocks, un-permuted, are the ones `--quantization int8` computes from the float weights (gguf-py
-    and engine/quant.py quantize alike): the same packed bytes, linear for linear, and the same tokens."""
+    and engine/model_executor/layers/quant.py quantize alike): the same packed bytes, linear for linear, and the same tokens."""
     native = _load(model=str(q8_gguf))
     quantized = _load(model=str(tiny_llama_dir), quantization="int8")
     a, b = _packed_linears(native), _packed_linears(quantized)
@@ -182,8 +182,8 @@ def test_cli_quantization_flag_reaches_the_engine_config():
 
 def test_int8_head_writes_float32_logits_directly():
     """A bfloat16 model's int8 head writes its logits in float32 (not rounded to bfloat16 and widened)."""
-    from engine.cpu_linear import forward_float32
-    from engine.quant import attach_q8_linear, pack_q8
+    from engine.model_executor.layers.cpu_linear import forward_float32
+    from engine.model_executor.layers.quant import attach_q8_linear, pack_q8
 
     head = torch.nn.Linear(64, 100, bias=False, dtype=torch.bfloat16)
     attach_q8_linear(head, pack_q8(*quantize_q8_0(torch.randn(100, 64))))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, ops
-from engine.model_runner import SPLIT_MIN_ROWS, SPLIT_MIN_ROWS_BF16
+from engine.worker.model_runner import SPLIT_MIN_ROWS, SPLIT_MIN_ROWS_BF16
 from engine.sampling_params import SamplingParams
 from tests.kernels.conftest import torch_threads  # the e2e conftest sets 1 thread for the session
 

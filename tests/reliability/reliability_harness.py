@@ -40,7 +40,7 @@ def serve(model_dir: pathlib.Path, **config: Any) -> Iterator[ServerThread]:
 
     In-process so a test can read the block manager itself; `server.engine` is the AsyncLLMEngine.
     """
-    from engine.async_engine import AsyncLLMEngine
+    from engine.frontend.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
     from server.app import create_app
 

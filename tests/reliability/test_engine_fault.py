@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from engine.async_engine import MAX_RESETS
+from engine.frontend.async_engine import MAX_RESETS
 from engine.sampling_params import SamplingParams
 from reliability_harness import leaked_blocks, metric, serve, stream_completion, wait_engine_idle
 

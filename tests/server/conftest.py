@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def make_tiny_engine(tiny_llama_dir):
     """AsyncLLMEngine(LLMEngine) over the tiny random Llama, served as bad_inputs.MODEL; builds in about a second."""
     from bad_inputs import MODEL
-    from engine.async_engine import AsyncLLMEngine
+    from engine.frontend.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
 
     def make(**overrides):
@@ -35,7 +35,7 @@ def tiny_server(make_tiny_engine):
 
 
 def _real_server(**engine_kwargs):
-    from engine.async_engine import AsyncLLMEngine
+    from engine.frontend.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
     from server.app import create_app
     from serving_harness import ServerThread

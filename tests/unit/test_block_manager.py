@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from engine.block_manager import RELEASED_BLOCK, AllocStatus, BlockSpaceManager
+from engine.core.block_manager import RELEASED_BLOCK, AllocStatus, BlockSpaceManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -322,7 +322,7 @@ def test_hash_chain_keys_a_block_by_its_whole_prefix():
     import hashlib
     from array import array
 
-    from engine.block_allocator import NO_PREFIX_HASH, hash_block
+    from engine.core.block_allocator import NO_PREFIX_HASH, hash_block
 
     first = hash_block(NO_PREFIX_HASH, (1, 2, 3, 4))
     assert first == hashlib.sha256(array("q", (1, 2, 3, 4)).tobytes()).digest()  # sha256 of the int64 tokens

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_allocator import BlockAllocator
+from engine.core.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import BlockActions, Scheduler, SchedulerOutput
+from engine.core.scheduler import BlockActions, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 8

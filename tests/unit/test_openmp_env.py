@@ -1,11 +1,11 @@
-"""`pagedserve serve` spins idle OpenMP workers briefly (engine/openmp.py) unless the user chose a policy."""
+"""`pagedserve serve` spins idle OpenMP workers briefly (engine/platform/openmp.py) unless the user chose a policy."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from engine.openmp import SERVING_OPENMP_ENV, apply_serving_default
+from engine.platform.openmp import SERVING_OPENMP_ENV, apply_serving_default
 
 
 def test_serving_default_applies_to_an_unset_environment(monkeypatch):

@@ -7,9 +7,9 @@ from tiny_models import load_default_tokenizer
 
 from engine.config import EngineConfig
 from engine.output_processor import OutputProcessor
-from engine.sampler import Sample
+from engine.sample.sampler import Sample
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.prompt_logprobs import add_prompt_logprobs, compute_prompt_logprobs
+from engine.sample.prompt_logprobs import add_prompt_logprobs, compute_prompt_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledGroup, SchedulerOutput
+from engine.core.scheduler import ScheduledGroup, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 VOCAB = 50

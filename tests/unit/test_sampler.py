@@ -10,9 +10,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.prompt_logprobs import compute_prompt_logprobs
-from engine.logits_transforms import apply_min_p, apply_penalties, apply_top_k_top_p
-from engine.sampler import Sampler
+from engine.sample.prompt_logprobs import compute_prompt_logprobs
+from engine.sample.logits_transforms import apply_min_p, apply_penalties, apply_top_k_top_p
+from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 

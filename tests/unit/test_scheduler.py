@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import EngineConfig, PreemptionMode, SchedulingPolicy
 from engine.sampling_params import SamplingParams
-from engine.scheduler import BlockActions, Scheduler, SchedulerOutput
+from engine.core.scheduler import BlockActions, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 8
@@ -306,7 +306,7 @@ def test_priority_policy_preempts_lower_priority_running_groups():
 
 def test_engine_core_never_imports_torch():
     """The scheduler runs on a CPU-only frontend too: no torch import behind it."""
-    code = ("import sys; import engine.block_allocator, engine.block_manager, engine.scheduler; "
+    code = ("import sys; import engine.core.block_allocator, engine.core.block_manager, engine.core.scheduler; "
             "print('torch' in sys.modules)")
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
@@ -315,7 +315,7 @@ def test_engine_core_never_imports_torch():
 
 def test_watermark_blocks_admission_matches_the_startup_helper():
     """max_admissible_tokens() is what can_allocate admits in an empty cache: the startup check's bound."""
-    from engine.block_manager import max_admissible_tokens, watermark_blocks
+    from engine.core.block_manager import max_admissible_tokens, watermark_blocks
 
     sched = make_scheduler(num_device_blocks=8, watermark=0.25, max_model_len=64)  # 2 watermark blocks: 48 tokens
     assert watermark_blocks(8, 0.25) == 2 and max_admissible_tokens(BS, 8, 0.25) == 48

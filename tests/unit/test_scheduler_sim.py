@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import BlockActions, Scheduler, SchedulerOutput
+from engine.core.scheduler import BlockActions, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 8

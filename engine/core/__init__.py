@@ -1,0 +1,1 @@
+"""Scheduling without torch: the scheduler, the block manager and the block allocator (pure Python over ints)."""

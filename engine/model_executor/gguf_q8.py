@@ -1,0 +1,171 @@
+"""A GGUF file whose weights are Q8_0, served as it is: its int8 blocks go into csrc/cpu/q8_gemm.cpp's layout
+without ever being dequantized (issue 42), so pagedserve multiplies the numbers llama.cpp multiplies.
+
+Which files: a Llama-family GGUF (architecture llama or qwen2) whose every linear weight (attention, MLP, the head
+when it has one) is Q8_0, on CPU, one rank; the token embedding too when it is Q8_0 (else it is quantized at load).
+Any other GGUF is dequantized to float by transformers, as before (engine/model_executor/loader.py).
+
+The tensors are read with plain file reads, one at a time, not through a memory map: mapped pages once read stay
+in the process's resident set until the map closes, the whole file at the load's peak.
+llama.cpp's converter reorders the rows of q_proj and k_proj for its RoPE (per head, the two halves interleaved);
+a row of Q8_0 holds its own blocks, so the rows are put back in HF's order exactly (transformers' reverse_permute).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from engine.model_executor.layers.quant import attach_q8_embedding, attach_q8_linear, pack_q8, quantize_q8_0
+
+logger = logging.getLogger(__name__)
+
+ARCHS = ("llama", "qwen2")  # llama.cpp architectures whose tensors map onto engine/model_executor/models/llama.py
+_BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class _Info(NamedTuple):
+    name: str  # GGUF name
+    kind: str  # gguf.GGMLQuantizationType name: Q8_0, F32, F16, BF16, ...
+    shape: tuple[int, ...]  # torch order (rows last-dim-inner): ne reversed
+    offset: int  # bytes from the file's start
+    nbytes: int
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """The HF state-dict name of a GGUF tensor name (None: a tensor the model does not take, rope_freqs)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _BLOCK:
+        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{suffix}"
+    return f"{_TOP[base]}.{suffix}" if base in _TOP else None
+
+
+def _infos(path: Path) -> tuple[str, list[_Info]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    infos = [_Info(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), int(t.data_offset),
+                   int(t.n_bytes)) for t in reader.tensors]
+    del reader  # its memory map: nothing was read through it but the header
+    return arch, infos
+
+
+def is_q8_gguf(path: Path) -> bool:
+    """Every linear weight of this Llama-family GGUF is Q8_0 (so engine/model_executor/loader.py can serve it natively)."""
+    try:
+        arch, infos = _infos(path)
+    except Exception:  # not a GGUF gguf-py reads: transformers' loader reports it
+        return False
+    linears = [i for i in infos if i.name.endswith(".weight") and (i.name.split(".")[-2] in _LINEAR_PARTS
+                                                                      or i.name == "output.weight")]
+    return arch in ARCHS and bool(linears) and all(i.kind == "Q8_0" for i in linears)
+
+
+def _read(f, info: _Info) -> torch.Tensor:
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    f.seek(info.offset)
+    if f.readinto(memoryview(buf.numpy())) != info.nbytes:
+        raise ValueError(f"GGUF tensor {info.name}: the file ends before its {info.nbytes} bytes")
+    return buf
+
+
+def _q8_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes (34 a block: float16 d, 32 int8 q) as (q int8 [N, K], d float16 [N, K / 32])."""
+    n, k = shape
+    blocks = raw.view(n, k // 32, 34)
+    return blocks[..., 2:].contiguous().view(torch.int8).view(n, k), blocks[..., :2].contiguous().view(
+        torch.float16).view(n, k // 32)
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's RoPE permutation of q_proj / k_proj (transformers' reverse_permute)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _float_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    with open(path, "rb") as f:
+        for info in infos:
+            name = hf_name(info.name)
+            if name is None or info.kind == "Q8_0" or len(info.shape) != 1:
+                continue
+            if info.kind not in dtypes:
+                raise ValueError(f"GGUF tensor {info.name} is {info.kind}: a 1-D tensor must be F32, F16 or BF16")
+            t = _read(f, info).view(dtypes[info.kind]).view(info.shape)
+            if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # a bias, permuted as its rows
+                heads = hf_config.num_attention_heads if ".q_proj." in name else hf_config.num_key_value_heads
+                t = t[_unpermute_rows(t.shape[0], heads)]
+            yield name, t
+
+
+@torch.no_grad()
+def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) -> int:
+    """Load a Q8_0 GGUF (is_q8_gguf) into `model` (a LlamaForCausalLM whose params are allocated, not loaded): the
+    norms and biases as floats through model.load_weights, every linear and the token embedding as int8 blocks
+    (quant.attach_q8_linear / attach_q8_embedding), their float weights released. Returns the int8 linears."""
+    arch, infos = _infos(path)
+    by_hf = {hf_name(i.name): i for i in infos}
+    layers = model.layers
+    # The linears' and the embedding's float weights are never read: release them before the norms load, so
+    # load_weights expects no rows for them.
+    targets: list[tuple[nn.Module, list[str]]] = []
+    for i, layer in enumerate(layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        targets += [(attn.qkv_proj, [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]),
+                    (attn.o_proj, [p + "self_attn.o_proj"]), (mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                    (mlp.down_proj, [p + "mlp.down_proj"])]
+    tied = "lm_head.weight" not in by_hf
+    targets.append((model.lm_head, ["model.embed_tokens" if tied else "lm_head"]))
+    for module in [m for m, _ in targets] + [model.embed_tokens]:
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    model.load_weights(_float_tensors(path, infos, arch, hf_config))
+    heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+    with open(path, "rb") as f:
+        def blocks(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            info = by_hf.get(name + ".weight")
+            if info is None:
+                raise ValueError(f"{path.name} has no tensor for {name}.weight")
+            if info.kind == "Q8_0":
+                q, d = _q8_blocks(_read(f, info), info.shape)
+            else:  # a float tensor (an F16 token embedding, say): quantized here as llama.cpp would
+                t = _read(f, info).view({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+                                        [info.kind]).view(info.shape)
+                q, d = quantize_q8_0(t)
+            part = name.rsplit(".", 1)[-1]
+            if arch == "llama" and part in heads:
+                order = _unpermute_rows(q.shape[0], heads[part])
+                q, d = q[order], d[order]
+            return q, d
+
+        for module, names in targets:
+            parts = [blocks(n) for n in names]
+            q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+            d = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            if tuple(q.shape) != (module.out_features, -(-module.in_features // 32) * 32):
+                raise ValueError(f"{path.name}: {names} hold {tuple(q.shape)} weights, the model's linear is "
+                                 f"[{module.out_features}, {module.in_features}]")
+            del parts
+            attach_q8_linear(module, pack_q8(q, d))
+            del q, d
+        if tied:
+            attach_q8_embedding(model.embed_tokens, model.lm_head._small_weight, dtype)
+        else:
+            attach_q8_embedding(model.embed_tokens, pack_q8(*blocks("model.embed_tokens")), dtype)
+    logger.info("loaded %s's Q8_0 weights as int8 (%d linears, not dequantized)", path.name, len(targets))
+    return len(targets)

@@ -1,0 +1,1 @@
+"""The model's building blocks: paged attention and the CPU linear layer."""

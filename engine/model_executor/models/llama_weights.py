@@ -1,0 +1,119 @@
+"""Checkpoint tensors into a LlamaForCausalLM: HF names onto the fused q/k/v and gate/up params, and under tensor
+parallelism each rank's shard of them (Megatron-style, see LlamaForCausalLM). The model is passed with its args and
+its rank's group (this module reads nothing else of it, and does not import it)."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from engine.distributed.group import TPGroup
+from engine.model_executor.models.llama_args import ModelArgs
+
+
+def _fused_targets(a: ModelArgs, tp: TPGroup, name: str) -> Optional[tuple[str, int, int]]:
+    """HF name -> (our fused param, row offset, rows) for q/k/v and gate/up, this rank's sizes; None for a
+    plain name."""
+    n = tp.world_size
+    q, kv, inter = a.num_heads * a.head_dim // n, a.local_kv_heads(n) * a.head_dim, a.intermediate_size // n
+    shards = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+    }
+    for hf_part, (ours, offset, rows) in shards.items():
+        if f".{hf_part}." in name:
+            return name.replace(hf_part, ours), offset, rows
+    return None
+
+def _shard(tp: TPGroup, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole checkpoint tensor (our param name; the tensor itself at world_size 1).
+
+    Column-parallel (q/k/v, gate/up, the vocab of embedding and head): rows split. Row-parallel (o_proj,
+    down_proj): columns split, and the bias kept by rank 0 alone, so the all-reduce adds it once."""
+    if tp.world_size == 1:
+        return tensor
+    if name.endswith(("o_proj.bias", "down_proj.bias")):
+        return tensor if tp.is_driver else torch.zeros_like(tensor)
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        start, end = tp.shard(tensor.shape[1])
+        return tensor[:, start:end]
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight", "gate_up_proj.bias")) \
+            or name in ("embed_tokens.weight", "lm_head.weight"):
+        start, end = tp.shard(tensor.shape[0])
+        return tensor[start:end]
+    return tensor  # norms: whole on every rank
+
+def _kv_replica(a: ModelArgs, tp: TPGroup, name: str) -> Optional[slice]:
+    """The rows of the one key/value head this rank holds, for k_proj / v_proj when the ranks outnumber the
+    key/value heads (rank r holds head r * kv_heads // N, the head its query heads read); None otherwise."""
+    if a.num_kv_heads >= tp.world_size or not (".self_attn.k_proj." in name or ".self_attn.v_proj." in name):
+        return None
+    head = tp.rank * a.num_kv_heads // tp.world_size
+    return slice(head * a.head_dim, (head + 1) * a.head_dim)
+
+@torch.no_grad()
+def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterable[tuple[str, torch.Tensor]]
+                 ) -> None:
+    """Copy HF state-dict tensors (model.layers.N.self_attn.q_proj.weight, ...) into our fused params."""
+    params = dict(model.named_parameters())
+    rows_loaded = dict.fromkeys(params, 0)
+    for hf_name, tensor in weights:
+        if "rotary_emb.inv_freq" in hf_name:
+            continue
+        name = hf_name.removeprefix("model.")
+        if name == "lm_head.weight" and args.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        replica = _kv_replica(args, tp, name)
+        fused = _fused_targets(args, tp, name)
+        name, offset = fused[:2] if fused is not None else (name, 0)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(model).__name__}.")
+        tensor = tensor[replica] if replica is not None else _shard(tp, name, tensor)
+        rows = tensor.shape[0]
+        params[name][offset : offset + rows].copy_(tensor)
+        rows_loaded[name] += rows
+    missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
+    if missing:
+        raise ValueError(f"checkpoint is missing or duplicates tensors for {len(missing)} params, e.g. {missing[:3]}.")
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, seed: int = 0) -> None:
+    """Random weights (benchmarks of big architectures with nothing to download); norms start at one.
+    The whole model's tensors are drawn and then sharded, so every tensor-parallel size runs the same model."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def tensors() -> Iterable[tuple[str, torch.Tensor]]:
+        for name, shape in _checkpoint_shapes(args):
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                yield name, torch.ones(shape)
+            else:
+                yield name, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
+
+    load_weights(model, args, tp, tensors())
+
+def _checkpoint_shapes(a: ModelArgs) -> Iterable[tuple[str, tuple[int, ...]]]:
+    """(HF name, whole shape) of every checkpoint tensor of this architecture."""
+    h, q, kv, inter = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    yield "embed_tokens.weight", (a.vocab_size, h)
+    for i in range(a.num_layers):
+        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        yield f"layers.{i}.input_layernorm.weight", (h,)
+        yield f"layers.{i}.post_attention_layernorm.weight", (h,)
+        for part, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            yield f"{attn}{part}.weight", (rows, h)
+            if a.qkv_bias:
+                yield f"{attn}{part}.bias", (rows,)
+        yield f"{attn}o_proj.weight", (h, q)
+        if a.o_bias:
+            yield f"{attn}o_proj.bias", (h,)
+        for part, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+            yield f"{mlp}{part}.weight", shape
+            if a.mlp_bias:
+                yield f"{mlp}{part}.bias", shape[:1]
+    yield "norm.weight", (h,)
+    if not a.tie_word_embeddings:
+        yield "lm_head.weight", (a.vocab_size, h)

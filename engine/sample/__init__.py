@@ -1,0 +1,1 @@
+"""From logits to tokens: the sampler, the logits transforms, prompt logprobs."""

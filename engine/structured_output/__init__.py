@@ -1,0 +1,1 @@
+"""Structured outputs: grammars compiled with xgrammar and the per-step token bitmask."""
