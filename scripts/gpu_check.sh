@@ -168,16 +168,22 @@ step smollm2-random-model helper model "$work/smollm2" --like "$tokenizer_dir" -
 step smollm2-parity helper parity "$work/smollm2" --device "$device"
 
 # shellcheck disable=SC2329  # invoked through step
+wait_healthy() {  # wait_healthy PID: until the server on $port answers /health (5 minutes), or PID exits
+  for _ in $(seq 300); do
+    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
+    kill -0 "$1" 2>/dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
+
+# shellcheck disable=SC2329  # invoked through step
 serve_and_request() {  # serve_and_request MODEL_DIR ARGS...: one completion through `pagedserve serve`
   local model="$1"; shift
   "$python" -m server.cli serve "$model" --device "$device" --host 127.0.0.1 --port "$port" "$@" \
     > "$work/server.log" 2>&1 &
   local pid=$! code=000
-  for _ in $(seq 300); do
-    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 1
-  done
+  wait_healthy "$pid" || true  # the request or the sweep below reports a server that never came up
   code=$(curl -sS -o "$work/completion.json" -w '%{http_code}' "http://127.0.0.1:$port/v1/completions" \
     -H 'Content-Type: application/json' -d '{"prompt": "The capital of France is", "max_tokens": 8}')
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
@@ -220,11 +226,7 @@ serve_sweep() {
   "$python" -m server.cli serve "$work/llama-1b" --device "$device" --dtype bfloat16 --host 127.0.0.1 \
     --port "$port" --max-model-len 512 --max-num-seqs 256 > "$work/server-sweep.log" 2>&1 &
   local pid=$! rc=0
-  for _ in $(seq 300); do
-    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 1
-  done
+  wait_healthy "$pid" || true  # the request or the sweep below reports a server that never came up
   "$python" benchmarks/serving.py --base-url "http://127.0.0.1:$port" "${sweep[@]}" --strict \
     --output-json "$work/serving.json" || rc=1
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null

@@ -334,15 +334,19 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def report_and_exit_code(report: dict[str, Any], json_path: Optional[pathlib.Path]) -> int:
+    """Print the report (and write it where asked); 1 when it lists problems."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_path:
+        json_path.write_text(text)
+    return 1 if report["problems"] else 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report = soak(args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
-    return 1 if report["problems"] else 0
+    return report_and_exit_code(soak(args), args.json)
 
 
 if __name__ == "__main__":
