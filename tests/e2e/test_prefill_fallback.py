@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from e2e_helpers import MAX_TOKENS, greedy, hf_greedy
-from engine import prefill_kernels
+from engine.model_executor.layers import prefill_kernels
 from engine.model_executor.layers.prefill_kernels import ProbeShape, SdpaPerSequence, Xformers, select_prefill_kernel
 
 XFORMERS_ERROR = ("No operator found for `memory_efficient_attention_forward` with inputs:\n"
