@@ -15,7 +15,7 @@ from kernels.conftest import torch_threads
 BEST = ops.q8_gemm_isa()
 pytestmark = pytest.mark.skipif(BEST == 0, reason="the compiled kernels have no int8 GEMM path on this CPU")
 
-ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_VNNI) if isa <= BEST]
+ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST]
 # (N, K): whole blocks, N and K ragged, N under one block, SmolLM2's and the 1B model's widths.
 SHAPES = [(64, 64), (37, 70), (5, 32), (200, 1000), (1536, 576), (256, 2048)]
 ROWS = (1, 2, 3, 4, 5, 6, 7, 12, 13, 70, 130)  # one-pass tiles (<= 4), tall tiles whole and partial, two row chunks
@@ -113,3 +113,14 @@ def test_pack_q8_round_trips_rows():
     assert packed.numel() == q8_numel(n, k) == 3 * 3 * 16 * (QK + 2)
     ids = torch.tensor([[0, 44], [16, 17]])
     torch.testing.assert_close(q8_rows(packed, ids, n, k), dequantize_q8_0(q, d, k)[ids], rtol=0, atol=0)
+
+
+def test_q8_gemm_default_keeps_activations_in_float32(monkeypatch):
+    """The default path multiplies float32 x with the widened int8 weights (weights-only quantization): int8
+    activations moved SmolLM2's greedy outputs off its Q8_0 file's dequantized ones (csrc/cpu/q8_gemm.cpp)."""
+    n, k = 96, 320
+    gen = torch.Generator().manual_seed(9)
+    q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
+    x = torch.randn(3, k, generator=gen) * torch.linspace(0.01, 10, k)  # outlier-heavy rows
+    out = ops.q8_gemm(torch.empty(3, n), x, pack_q8(q, d), None)
+    _check(out, ref_q8_gemm(x, q, d, None, quantized_x=False), k)

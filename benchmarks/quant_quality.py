@@ -1,0 +1,123 @@
+"""What int8 weights cost in quality (issue 42): pagedserve's int8 model against its bfloat16 model, measured the way
+llama.cpp's llama-perplexity --kl-divergence measures its Q8_0 against its BF16, on the same text and model.
+
+    .venv/bin/python benchmarks/quant_quality.py [--llama-cpp BUILD_DIR --bf16 X.gguf --q8 Y.gguf] [--text FILE]
+
+Per scored token t (teacher-forced, chunks of --ctx tokens, the second half of each chunk scored, as
+llama-perplexity does): Δlogp = logp_quant(t) - logp_base(t), Δp the same in probability, and whether both put the
+same token first. Reported: mean |Δlogp|, mean Δlogp (= -ln(PPL ratio)), RMS Δp, same top-1 %. pagedserve's side
+runs in-process (LLM.generate's prompt_logprobs); llama.cpp's (when --llama-cpp is given) is llama-perplexity's
+own summary over the same text (it prints ln(PPL(Q)/PPL(base)), RMS Δp and same top p; |Δlogp| is not among them).
+Also pagedserve's per-token log-likelihood changes on tests/compat/test_lm_eval.py's multiple-choice pairs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MC_PAIRS = [("The capital of France is", " Paris"), ("The capital of France is", " Berlin"),
+            ("Two plus two equals", " four"), ("Two plus two equals", " five apples")]
+
+
+def _chunks(ids: list[int], ctx: int, limit: int) -> list[list[int]]:
+    return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)][:limit]
+
+
+def _score(llm, prompts: list[list[int]]) -> list[list[dict]]:
+    from engine import SamplingParams
+
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    return [o.prompt_logprobs for o in outs]
+
+
+def _stats(base: list[list[dict]], quant: list[list[dict]], prompts: list[list[int]], first: int) -> dict:
+    dlogp, dp, same = [], [], []
+    for b, q, ids in zip(base, quant, prompts):
+        for i in range(max(first, 1), len(ids)):
+            t = ids[i]
+            dlogp.append(q[i][t] - b[i][t])
+            dp.append(math.exp(q[i][t]) - math.exp(b[i][t]))
+            same.append(max(b[i], key=b[i].get) == max(q[i], key=q[i].get))
+    n = len(dlogp)
+    return {"tokens": n, "mean_abs_dlogp": sum(map(abs, dlogp)) / n, "mean_dlogp": sum(dlogp) / n,
+            "ln_ppl_ratio": -sum(dlogp) / n, "rms_dp_pct": 100 * math.sqrt(sum(x * x for x in dp) / n),
+            "same_top1_pct": 100 * sum(same) / n, "max_abs_dlogp": max(map(abs, dlogp))}
+
+
+def pagedserve_side(model: str | None, text: str, ctx: int, chunks: int, dtype: str) -> dict:
+    from engine import LLM
+
+    results = {}
+    for name, quant in (("base", None), ("int8", "int8")):
+        llm = LLM(model, dtype=dtype, quantization=quant or "none", max_model_len=max(ctx, 256), max_logprobs=20)
+        tok = llm.get_tokenizer()
+        ids = tok.encode(text, add_special_tokens=False)
+        prompts = _chunks(ids, ctx, chunks)
+        mc = [tok.encode(c + x, add_special_tokens=False) for c, x in MC_PAIRS]
+        results[name] = (_score(llm, prompts), _score(llm, mc))
+        del llm
+    mc_first = [len(tok.encode(c, add_special_tokens=False)) for c, _ in MC_PAIRS]
+    mc_diffs = []
+    for (b, q, ids, first) in zip(results["base"][1], results["int8"][1], mc, mc_first):
+        ll_b = sum(b[i][ids[i]] for i in range(first, len(ids)))
+        ll_q = sum(q[i][ids[i]] for i in range(first, len(ids)))
+        mc_diffs.append({"per_token": [q[i][ids[i]] - b[i][ids[i]] for i in range(first, len(ids))],
+                         "loglikelihood_base": ll_b, "loglikelihood_int8": ll_q})
+    return {"dtype": dtype, "text": _stats(results["base"][0], results["int8"][0], prompts, ctx // 2),
+            "lm_eval_mc_pairs": mc_diffs}
+
+
+def llama_cpp_side(build: Path, bf16: Path, q8: Path, text_file: Path, ctx: int, chunks: int) -> dict:
+    tool = build / "bin" / "llama-perplexity"
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base.kld"
+        common = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks), "-t", "2", "-b", str(ctx)]
+        subprocess.run([str(tool), "-m", str(bf16), "--kl-divergence-base", str(base), *common], check=True,
+                       capture_output=True, text=True)
+        run = subprocess.run([str(tool), "-m", str(q8), "--kl-divergence-base", str(base), "--kl-divergence",
+                              *common], check=True, capture_output=True, text=True)
+    log = run.stdout + run.stderr
+    found = {}
+    for key, pattern in (("ln_ppl_ratio", r"Mean\s+ln\(PPL\(Q\)/PPL\(base\)\)\s*:\s*([-\d.e]+)"),
+                         ("mean_kld", r"Mean\s+KLD:\s*([-\d.e]+)"), ("rms_dp_pct", r"RMS Δp\s*:\s*([-\d.e]+)"),
+                         ("same_top1_pct", r"Same top p:\s*([-\d.e]+)")):
+        m = re.search(pattern, log)
+        found[key] = float(m.group(1)) if m else None
+    found["log_tail"] = log[-2500:]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF folder (default: the default SmolLM2)")
+    parser.add_argument("--text", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--ctx", type=int, default=128)
+    parser.add_argument("--chunks", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp build folder (bin/llama-perplexity)")
+    parser.add_argument("--bf16", type=Path, default=None)
+    parser.add_argument("--q8", type=Path, default=None)
+    parser.add_argument("--output-json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    text = args.text.read_text()
+    report = {"pagedserve": pagedserve_side(args.model, text, args.ctx, args.chunks, args.dtype)}
+    if args.llama_cpp:
+        report["llama.cpp"] = llama_cpp_side(args.llama_cpp, args.bf16, args.q8, args.text, args.ctx, args.chunks)
+    out = json.dumps(report, indent=2)
+    print(out)
+    if args.output_json:
+        args.output_json.write_text(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
