@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "serves HTTP)")
     serve.add_argument("--distributed-timeout", type=float, default=120.0,
                        help="seconds the tensor-parallel ranks wait for each other to start, and in any collective")
+    serve.add_argument("--engine-core-process", action="store_true",
+                       help="run the engine core (scheduler, model, sampler, output processing) in a process of its "
+                            "own, reached over ZMQ: the HTTP server's event loop no longer shares the GIL with the "
+                            "steps. If the core process dies, /health answers 503 and the server exits with status 1")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="run every step op by op in Python (the reference path). By default a CPU step "
                             "(decode and prefill) runs all its layers in one compiled call (the eager arithmetic "
@@ -120,9 +124,15 @@ def serve(args: argparse.Namespace) -> int:
         launch = torchrun_env()
         if launch is not None and launch[0] != 0:  # a torchrun rank other than 0: no HTTP, the worker loop
             return _serve_as_worker(config, *launch)
-        engine = AsyncLLMEngine.from_config(
-            config, log_stats=not args.disable_log_stats, stats_interval_s=args.log_stats_interval
-        )
+        if args.engine_core_process:
+            from engine.frontend.core_client import RemoteEngineCore
+
+            engine = AsyncLLMEngine(RemoteEngineCore.start(config), log_stats=not args.disable_log_stats,
+                                    stats_interval_s=args.log_stats_interval)
+        else:
+            engine = AsyncLLMEngine.from_config(
+                config, log_stats=not args.disable_log_stats, stats_interval_s=args.log_stats_interval
+            )
     except (ValueError, StartupError) as exc:  # a flag or a launch that cannot work: say why, no traceback
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2

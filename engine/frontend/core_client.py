@@ -1,0 +1,268 @@
+"""RemoteEngineCore: the EngineCore protocol (engine/frontend/protocol.py) over ZMQ, for an engine running in a process of
+its own (engine/core_proc.py). AsyncLLMEngine drives it as it drives an in-process LLMEngine: its step thread
+waits in step() for the core's next message (the GIL released), so the API server's event loop no longer shares
+the GIL with the model, the sampler and the output processing.
+
+    core = RemoteEngineCore.start(config)       # spawns the core, waits for it to load the model
+    engine = AsyncLLMEngine(core)               # the server's EngineClient, as before
+
+If the core process exits, a watch thread calls on_fatal at once: AsyncLLMEngine fails the requests in flight,
+/health answers 503 and `pagedserve serve` exits with status 1 for its supervisor (docs/reliability.md).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Union
+
+import msgspec
+import zmq
+
+from engine import core_proc
+from engine.config import EngineConfig
+from engine.faults import StepError
+from engine.metrics import EngineStats
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # step() returns no outputs after this long without a message (the caller checks its queue)
+_START_TIMEOUT_S = 600.0
+_STOP_TIMEOUT_S = 15.0
+
+
+class EngineCoreDiedError(RuntimeError):
+    """The engine core process exited: no request can be served by this server any more."""
+
+
+_REMOTE_ERRORS: dict[str, type] = {}
+
+
+def _remote_error(type_name: str, message: str) -> BaseException:
+    """An exception named as the core's was (the client reads "<type>: <message>", as in one process)."""
+    cls = _REMOTE_ERRORS.get(type_name)
+    if cls is None:
+        cls = _REMOTE_ERRORS[type_name] = type(type_name, (RuntimeError,), {})
+    return cls(message)
+
+
+class RemoteEngineCore:
+    """The API server's handle on the engine core process: requests and aborts out, each step's outputs in."""
+
+    def __init__(self, config: EngineConfig, proc, ctx: zmq.Context, outbox, inbox, ready: list, folder) -> None:
+        self.proc, self._ctx, self._outbox, self._inbox, self._folder = proc, ctx, outbox, inbox, folder
+        self._enc, self._dec = core_proc.encoder(), core_proc.decoder()
+        _, resolved, self.vocab_size = ready
+        self.config = msgspec.convert(resolved, EngineConfig)
+        from transformers import AutoTokenizer
+
+        from engine.model_executor.loader import _source
+
+        source = _source(self.config)
+        self.hf_config = source.hf_config
+        self.tokenizer = AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=True, **source.tokenizer_kwargs)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._structured = None
+        self._structured_lock = threading.Lock()
+        self._unfinished: set[str] = set()
+        self._pending: collections.deque = collections.deque()  # messages read while waiting for a reply
+        self._stats: Optional[EngineStats] = None
+        self._stopping = False
+        self.on_fatal: Optional[Callable[[BaseException], None]] = None
+        self.dead_reason: Optional[str] = None
+        threading.Thread(target=self._watch, name="core-watch", daemon=True).start()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> "RemoteEngineCore":
+        """Spawn the core and wait until it has loaded the model (its resolved config comes back)."""
+        folder = tempfile.TemporaryDirectory(prefix="pagedserve-core-")
+        in_addr, out_addr = (f"ipc://{Path(folder.name) / name}" for name in ("to-core", "from-core"))
+        ctx = zmq.Context()
+        outbox, inbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        outbox.bind(in_addr)
+        inbox.bind(out_addr)
+        proc = core_proc.spawn(config, in_addr, out_addr)
+        dec = core_proc.decoder()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            if inbox.poll(200):
+                msg = dec.decode(inbox.recv())
+                if msg[0] == "ready":
+                    return cls(config, proc, ctx, outbox, inbox, msg, folder)
+                if msg[0] == "fatal":
+                    proc.join(5)
+                    raise ValueError(f"the engine core failed to start: {msg[1]}")
+            if not proc.is_alive() or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the engine core did not start (exit code {proc.exitcode})")
+
+    # ---- the EngineCore protocol -------------------------------------------------------------------------
+
+    @property
+    def structured(self) -> Any:
+        """A grammar compiler in this process: specs are checked (a bad one is a 400) before they are sent; the
+        core compiles its own copy from the spec."""
+        if self._structured is None:
+            with self._structured_lock:
+                if self._structured is None:
+                    from engine.structured_output.grammars import StructuredOutputs
+
+                    self._structured = StructuredOutputs(self.tokenizer, int(self.hf_config.vocab_size),
+                                                         self.eos_token_id,
+                                                         int(self.config.grammar_cache_mb * 2**20))
+        return self._structured
+
+    def add_request(self, request_id: str, prompt: Optional[str] = None,
+                    prompt_token_ids: Optional[list[int]] = None, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None, priority: int = 0, grammar: Any = None) -> None:
+        """Checked here as LLMEngine.add_request checks it (a ValueError for a bad prompt), then sent."""
+        params = params if params is not None else SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt: either a prompt or prompt_token_ids is required.")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        if not prompt_token_ids:
+            raise ValueError("prompt: the prompt is empty.")
+        vocab = int(self.hf_config.vocab_size)
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is out of vocabulary (size {vocab}).")
+        self._send(("add", request_id, prompt, list(prompt_token_ids), params,
+                    arrival_time if arrival_time is not None else time.monotonic(), priority))
+        self._unfinished.add(request_id)
+
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> list:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._send(("abort", ids))
+        self._unfinished.difference_update(ids)
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._unfinished)
+
+    def request_ids(self) -> set[str]:
+        return set(self._unfinished)
+
+    def step(self) -> list[RequestOutput]:
+        """The core's next step: its outputs, or StepError naming the requests it ended; [] when no message came
+        within _POLL_MS (the caller then applies what waits in its own queue)."""
+        msg = self._next(_POLL_MS)
+        if msg is None:
+            return []
+        kind = msg[0]
+        if kind == "out":
+            outputs = msgspec.convert(msg[1], list[RequestOutput])
+            self._stats = msgspec.convert(msg[2], EngineStats)
+            for out in outputs:
+                if out.finished:
+                    self._unfinished.discard(out.request_id)
+            return outputs
+        if kind == "fail":
+            _, stage, type_name, message, ended, outputs, stats = msg
+            self._stats = msgspec.convert(stats, EngineStats)
+            outputs = msgspec.convert(outputs, list[RequestOutput])
+            self._unfinished.difference_update(ended)
+            for out in outputs:
+                if out.finished:
+                    self._unfinished.discard(out.request_id)
+            raise StepError(stage, _remote_error(type_name, message), ended, outputs)
+        if kind == "refused":
+            _, request_id, type_name, message = msg
+            self._unfinished.discard(request_id)
+            raise StepError("admission", _remote_error(type_name, message), [request_id])
+        raise EngineCoreDiedError(f"the engine core stopped: {msg[1] if len(msg) > 1 else kind}")
+
+    def get_stats(self) -> EngineStats:
+        """The core's latest figures: sent with each step; asked for when this side holds no request (aborts just
+        sent are applied before the answer, so their freed blocks show)."""
+        if (self._stats is None or not self._unfinished) and self.dead_reason is None and not self._stopping:
+            self._stats = msgspec.convert(self._request(("stats",), "stats")[1], EngineStats)
+        elif not self._pending and self.dead_reason is None:
+            msg = self._next(0)  # (between runs of steps: the step thread is not reading)
+            if msg is not None:
+                self._pending.append(msg)
+        return self._stats
+
+    def block_problems(self) -> list[str]:
+        return self._request(("problems",), "problems")[1]
+
+    def reset(self) -> list[str]:
+        _, dropped, stats = self._request(("reset",), "reset")
+        self._stats = msgspec.convert(stats, EngineStats)
+        self._unfinished.clear()
+        return dropped
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the core (graceful: it is told to; either way it is joined, and killed if it lingers)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if graceful and self.proc.is_alive():
+            try:
+                self._send(("stop",))
+            except zmq.ZMQError:
+                pass
+        self.proc.join(_STOP_TIMEOUT_S if graceful else 0.5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self._outbox.close(linger=0)
+        self._inbox.close(linger=0)
+        self._ctx.term()
+        self._folder.cleanup()
+
+    # ---- transport ------------------------------------------------------------------------------------------
+
+    def _send(self, msg: tuple) -> None:
+        if self.dead_reason is not None:
+            raise EngineCoreDiedError(self.dead_reason)
+        self._outbox.send(self._enc.encode(msg), copy=False)
+
+    def _next(self, timeout_ms: int) -> Optional[list]:
+        """The next message of a step (stats messages are taken in passing), None after timeout_ms without one.
+        Only one thread at a time reads the socket: the step thread, or the loop while no step runs."""
+        if self._pending:
+            return self._pending.popleft()
+        while self._inbox.poll(timeout_ms):
+            msg = self._dec.decode(self._inbox.recv(copy=False))
+            if msg[0] != "stats":
+                return msg
+            self._stats = msgspec.convert(msg[1], EngineStats)
+            timeout_ms = 0
+        if self.dead_reason is not None:
+            raise EngineCoreDiedError(self.dead_reason)
+        return None
+
+    def _request(self, msg: tuple, reply: str) -> list:
+        """Send and wait for the reply; messages of steps that arrive first are kept for step()."""
+        self._send(msg)
+        while True:
+            if self._inbox.poll(_POLL_MS):
+                got = self._dec.decode(self._inbox.recv(copy=False))
+                if got[0] == reply:
+                    return got
+                if got[0] == "fatal":
+                    raise EngineCoreDiedError(f"the engine core stopped: {got[1]}")
+                self._pending.append(got)
+            elif self.dead_reason is not None:
+                raise EngineCoreDiedError(self.dead_reason)
+
+    def _watch(self) -> None:
+        """The core's exit is seen at once (its process sentinel): the engine is dead unless we stopped it."""
+        from multiprocessing.connection import wait
+
+        wait([self.proc.sentinel])
+        if self._stopping:
+            return
+        self.dead_reason = f"the engine core process exited (exit code {self.proc.exitcode})"
+        logger.error("%s", self.dead_reason)
+        if self.on_fatal is not None:
+            self.on_fatal(EngineCoreDiedError(self.dead_reason))

@@ -1,0 +1,144 @@
+"""`pagedserve serve --engine-core-process`: the engine core in a process of its own, reached over ZMQ. What the
+server promises holds across the boundary: the same tokens as the offline engine, an abandoned stream's blocks
+freed, and when the core dies, /health says 503, the streams in flight end with an error and the server exits 1;
+when the server is killed with SIGKILL, no core process is left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+from serving_harness import free_port, wait_idle
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = [1450, 2001, 314, 9054, 28, 3022]
+
+
+def _start(model_dir, log_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--served-model-name", "tiny",
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
+           "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16", "--engine-core-process",
+           "--log-stats-interval", "1", "--shutdown-timeout", "5"]
+    out = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.3)
+    cores = psutil.Process(proc.pid).children(recursive=True)
+    assert cores, "no engine core process"
+    return proc, base, cores
+
+
+def _complete(base, **body):
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "temperature": 0.0,
+                                                    "ignore_eos": True, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+@pytest.mark.slow  # a server and its core process: ~30 s on 2 cores
+def test_the_core_process_serves_aborts_and_its_death_ends_the_server(tiny_llama_dir, tmp_path):
+    from engine import LLM, SamplingParams
+
+    proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log")
+    try:
+        served = _complete(base, max_tokens=12)
+        offline = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_gpu_blocks_override=64,
+                      num_cpu_blocks_override=16).generate(
+            prompt_token_ids=[PROMPT], sampling_params=SamplingParams(temperature=0.0, max_tokens=12,
+                                                                      ignore_eos=True), use_tqdm=False)[0]
+        assert served["text"] == offline.outputs[0].text
+
+        # A client that leaves mid-stream: the abort reaches the core and its blocks go back.
+        with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
+                                "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+        waited, values = wait_idle(base, timeout_s=10)
+        assert values["kv_cache_usage_perc"] == 0.0 and values["num_requests_running"] == 0, values
+
+        # The core dies under a stream: the stream ends with an error, /health says 503, the server exits 1.
+        lines = []
+        with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 240, "ignore_eos": True,
+                                "stream": True}) as r:
+            for i, line in enumerate(r.iter_lines()):
+                lines.append(line)
+                if i == 3:
+                    for core in cores:
+                        core.kill()
+                    killed = time.monotonic()
+                    while True:  # the watch thread sees the exit at once
+                        try:
+                            health = httpx.get(base + "/health", timeout=2).status_code
+                        except httpx.HTTPError:
+                            health = None  # already shutting down
+                        if health != 200:
+                            break
+                        assert time.monotonic() - killed < 5, "/health still 200 after the core died"
+                        time.sleep(0.05)
+        assert any("error" in line for line in lines), lines[-3:]
+        assert proc.wait(timeout=60) == 1
+        assert "exiting with status 1" in (tmp_path / "server.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_no_core_process_outlives_a_server_killed_with_sigkill(tiny_llama_dir, tmp_path):
+    proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log")
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gone, alive = psutil.wait_procs(cores, timeout=10)
+        assert not alive, f"core process(es) {[p.pid for p in alive]} outlived the server"
+    finally:
+        for core in psutil.Process().children(recursive=True):
+            if core.pid in {c.pid for c in cores}:
+                core.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_server_and_its_core(tiny_llama_dir, tmp_path):
+    proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log")
+    try:
+        import threading
+
+        result = {}
+
+        def run():
+            result["choice"] = _complete(base, max_tokens=60)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert result["choice"]["finish_reason"] == "length"  # the request in flight finished
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(cores, timeout=10)
+        assert not alive, [p.pid for p in alive]
+        assert "the engine core stopped" not in (tmp_path / "server.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
