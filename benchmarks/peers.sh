@@ -44,6 +44,9 @@ CACHE=${PAGEDSERVE_CACHE:-$HOME/.cache/pagedserve}
 LLAMA=$CACHE/llama.cpp-$LLAMA_CPP_PYTHON
 ISA=${ISA:-native}
 MODEL=${MODEL:-smollm2}
+# Extra llama-server flags, e.g. LLAMA_EXTRA=-nr: on a VM whose CPU reports AMX without enabling its tiles, ggml's
+# repacked (AMX) Q8_0 path dies of SIGILL; -nr (no weight repacking) runs its AVX-512 VNNI dot products instead.
+LLAMA_EXTRA=${LLAMA_EXTRA:-}
 PS_Q8_DTYPE=${PS_Q8_DTYPE:-bfloat16}
 case $MODEL in
     smollm2) GGUF_PREFIX=model ;;
@@ -155,7 +158,7 @@ if part served; then
                 suffix=$([[ $REPEAT -gt 1 ]] && echo "_r$rep" || true)
                 PORT=$(port); serve "llama.cpp ($dtype GGUF$ISA_NOTE)" "peers_llamacpp_${dtype}_c$c$suffix" "$c" \
                     "$SERVER" -m "$(gguf_file "$dtype")" --host 127.0.0.1 --port "$PORT" \
-                    -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512))
+                    -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512)) $LLAMA_EXTRA
                 # shellcheck disable=SC2046  # the model flags are words
                 PORT=$(port); serve "pagedserve ($dtype$ISA_NOTE)" "peers_pagedserve_${dtype}_c$c$suffix" "$c" \
                     "$PY" -m server.cli serve --port "$PORT" --disable-log-stats $(pagedserve_model "$dtype")

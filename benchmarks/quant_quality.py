@@ -79,7 +79,9 @@ def llama_cpp_side(build: Path, bf16: Path, q8: Path, text_file: Path, ctx: int,
     tool = build / "bin" / "llama-perplexity"
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base.kld"
-        common = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks), "-t", "2", "-b", str(ctx)]
+        # -nr (no weight repacking): on a VM whose CPU reports AMX without enabling its tiles, ggml's repacked
+        # (AMX) Q8_0 path died of SIGILL; without it Q8_0 runs ggml's AVX-512 (VNNI) dot products.
+        common = ["-f", str(text_file), "-c", str(ctx), "--chunks", str(chunks), "-t", "2", "-b", str(ctx), "-nr"]
         subprocess.run([str(tool), "-m", str(bf16), "--kl-divergence-base", str(base), *common], check=True,
                        capture_output=True, text=True)
         run = subprocess.run([str(tool), "-m", str(q8), "--kl-divergence-base", str(base), "--kl-divergence",
