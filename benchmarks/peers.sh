@@ -84,8 +84,8 @@ model_dir() {
 # pagedserve's flags for one dtype: the HF folder in that dtype, or (q8_0) the Q8_0 GGUF served natively.
 pagedserve_model() {
     case $1 in
-        q8_0) echo --model "$(gguf_file q8_0)" --dtype "$PS_Q8_DTYPE" ;;
-        *) [[ $MODEL == smollm2 ]] && echo --dtype "$1" || echo --model "$(model_dir)" --dtype "$1" ;;
+        q8_0) echo "$(gguf_file q8_0)" --dtype "$PS_Q8_DTYPE" ;;
+        *) [[ $MODEL == smollm2 ]] && echo --dtype "$1" || echo "$(model_dir)" --dtype "$1" ;;
     esac
 }
 
