@@ -90,7 +90,7 @@ class DecodeBatch:
         self.version, self.steps, self.inp, self.block_size = version, steps, inp, block_size
         self.next_tokens: Optional[torch.Tensor] = None  # [num_rows] int64, sampled in the last step
 
-    def advance(self, out, input_device: torch.device) -> ModelInput:
+    def advance(self, out) -> ModelInput:
         """The next step's input: every row one token on, in place."""
         steady, inp, bs = out.steady, self.inp, self.block_size
         meta = inp.meta
@@ -248,7 +248,7 @@ class ModelRunner:
         decode_only = steady is not None and len(out.scheduled) == len(steady.scheduled)
         if (decode_only and batch is not None and batch.version == steady.version
                 and batch.steps + 1 == steady.steps and self._input_device.type == "cpu"):
-            return batch.advance(out, self._input_device)
+            return batch.advance(out)
         inp = self._build(out)
         # A decode-only step of a steady decode starts a batch that its next steps advance.
         self.batch = (DecodeBatch(steady.version, steady.steps, inp, self.block_size)
