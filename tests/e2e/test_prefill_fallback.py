@@ -102,7 +102,8 @@ def test_sdpa_per_sequence_equals_the_cpu_prefill_kernel():
 def test_requests_complete_when_xformers_cannot_run(monkeypatch, caplog, tiny_llama_dir, hf_tiny, prompt_ids):
     """An engine whose candidates are a broken xformers and SDPA (as a GPU machine with PyPI's xformers): one
     warning at start, every prefill on SDPA, and HF's greedy tokens."""
-    from engine import LLM, model_runner
+    from engine import LLM
+    from engine.worker import model_runner
 
     sdpa = CountingSdpa()
     monkeypatch.setattr(model_runner, "candidates_for", lambda device: [broken_xformers(), sdpa])
