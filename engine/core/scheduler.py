@@ -453,7 +453,9 @@ class Scheduler:
         caching = self.block_manager.enable_prefix_caching
         scheduled_groups = out.scheduled
         steady = out.steady
-        if steady is not None:
+        # A steady decode dropped since schedule() (a fork or free in between) may have rows it does not list:
+        # then every group takes the listed path below.
+        if steady is not None and steady is self._steady:
             self._update_steady(steady, caching)
             scheduled_groups = out.scheduled[len(steady.scheduled):]
         for scheduled in scheduled_groups:
