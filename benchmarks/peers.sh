@@ -47,6 +47,7 @@ MODEL=${MODEL:-smollm2}
 # Extra llama-server flags, e.g. LLAMA_EXTRA=-nr: on a VM whose CPU reports AMX without enabling its tiles, ggml's
 # repacked (AMX) Q8_0 path dies of SIGILL; -nr (no weight repacking) runs its AVX-512 VNNI dot products instead.
 LLAMA_EXTRA=${LLAMA_EXTRA:-}
+read -r -a llama_extra <<< "$LLAMA_EXTRA"  # words, e.g. -nr
 PS_Q8_DTYPE=${PS_Q8_DTYPE:-bfloat16}
 case $MODEL in
     smollm2) GGUF_PREFIX=model ;;
@@ -158,9 +159,10 @@ if part served; then
                 suffix=$([[ $REPEAT -gt 1 ]] && echo "_r$rep" || true)
                 PORT=$(port); serve "llama.cpp ($dtype GGUF$ISA_NOTE)" "peers_llamacpp_${dtype}_c$c$suffix" "$c" \
                     "$SERVER" -m "$(gguf_file "$dtype")" --host 127.0.0.1 --port "$PORT" \
-                    -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512)) $LLAMA_EXTRA
+                    -t "$THREADS" -tb "$THREADS" -np "$c" -cb -c $((c * 512)) "${llama_extra[@]}"
+                PORT=$(port)
                 # shellcheck disable=SC2046  # the model flags are words
-                PORT=$(port); serve "pagedserve ($dtype$ISA_NOTE)" "peers_pagedserve_${dtype}_c$c$suffix" "$c" \
+                serve "pagedserve ($dtype$ISA_NOTE)" "peers_pagedserve_${dtype}_c$c$suffix" "$c" \
                     "$PY" -m server.cli serve --port "$PORT" --disable-log-stats $(pagedserve_model "$dtype")
             done
         done
