@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -13,9 +12,11 @@ import time
 import httpx
 import pytest
 from bad_inputs import MODEL
-from serving_harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from soak import start_server  # noqa: E402  (scripts/soak.py: the tests' CLI servers start there)
+
 # GET /health every 50 ms until a line arrives on stdin; prints the latencies (s) as JSON.
 PROBE = """
 import json, sys, threading, time, httpx
@@ -34,29 +35,14 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def cli_server(tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("cli") / "server.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "512", "--kv-cache-space", "0.25", "--swap-space", "0.25", "--max-num-seqs", "64",
-           "--log-stats-interval", "1", "--shutdown-timeout", "5"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.5)
-        yield proc, base, log
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc, base = start_server(["--max-model-len", "512", "--kv-cache-space", "0.25", "--swap-space", "0.25",
+                               "--max-num-seqs", "64", "--log-stats-interval", "1", "--shutdown-timeout", "5"],
+                              str(log))
+    yield proc, base, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def test_cli_serves_default_model(cli_server):

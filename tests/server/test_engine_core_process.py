@@ -6,39 +6,26 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import httpx
 import psutil
 import pytest
-from serving_harness import free_port, wait_idle
+from serving_harness import wait_idle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from soak import start_server  # noqa: E402  (scripts/soak.py: the tests' CLI servers start there)
+
 PROMPT = [1450, 2001, 314, 9054, 28, 3022]
 
 
 def _start(model_dir, log_path):
-    port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", str(model_dir), "--served-model-name", "tiny",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--dtype", "float32",
-           "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16", "--engine-core-process",
-           "--log-stats-interval", "1", "--shutdown-timeout", "5"]
-    out = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.3)
+    proc, base = start_server(
+        [str(model_dir), "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
+         "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16", "--engine-core-process",
+         "--log-stats-interval", "1", "--shutdown-timeout", "5"], str(log_path))
     cores = psutil.Process(proc.pid).children(recursive=True)
     assert cores, "no engine core process"
     return proc, base, cores
