@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import httpx
 
@@ -255,15 +256,27 @@ def wait_idle(base: str, timeout_s: float = 60.0) -> dict[str, float]:
             time.sleep(0.2)
 
 
-def soak(args: argparse.Namespace) -> dict[str, Any]:
-    proc = None
+@contextlib.contextmanager
+def soak_server(args: argparse.Namespace) -> Iterator[tuple[str, Optional[int]]]:
+    """(base_url, pid) of the server under soak: the one at --url (--pid for its RSS), else one started here with
+    --model and --server-args, stopped with SIGTERM afterwards."""
     if args.url:
-        base, pid = args.url.rstrip("/"), args.pid
-    else:
-        serve_args = [*([args.model] if args.model else []), *shlex.split(args.server_args)]
-        proc, base = start_server(serve_args, os.environ.get("SOAK_SERVER_LOG"))
-        pid = proc.pid
+        yield args.url.rstrip("/"), args.pid
+        return
+    serve_args = [*([args.model] if args.model else []), *shlex.split(args.server_args)]
+    proc, base = start_server(serve_args, os.environ.get("SOAK_SERVER_LOG"))
     try:
+        yield base, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    with soak_server(args) as (base, pid):
         card = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]
         warmup = args.warmup_s if args.warmup_s is not None else 0.2 * args.duration_s
         traffic = Traffic(base, card["id"], card.get("max_model_len") or 256, args.seed)
@@ -279,13 +292,6 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         elapsed = time.monotonic() - started
         idle = wait_idle(base)
         rss_after_idle = rss_bytes(pid) if pid else None
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     steady = [s for s in samples if s["t"] >= warmup]
     rss = [s["rss"] for s in steady if s["rss"] is not None]
     kv = [s["kv_cache_usage_perc"] for s in steady]

@@ -21,10 +21,7 @@ import json
 import os
 import pathlib
 import random
-import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -33,7 +30,7 @@ from typing import Any, Optional
 import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from soak import DEFAULT_SERVER_ARGS, report_and_exit_code, rss_bytes, start_server, wait_idle  # noqa: E402
+from soak import DEFAULT_SERVER_ARGS, report_and_exit_code, rss_bytes, soak_server, wait_idle  # noqa: E402
 
 TRIM_WAIT_S = 11.0  # the engine hands freed heap back at most every 10 s (engine/frontend/async_engine.py TRIM_INTERVAL_S)
 BIG_MESSAGES, BIG_KEYS = 1024, 40
@@ -182,14 +179,7 @@ def cpu_name() -> str:
 
 
 def soak(args: argparse.Namespace) -> dict[str, Any]:
-    proc = None
-    if args.url:
-        base, pid = args.url.rstrip("/"), args.pid
-    else:
-        serve_args = [*([args.model] if args.model else []), *shlex.split(args.server_args)]
-        proc, base = start_server(serve_args, os.environ.get("SOAK_SERVER_LOG"))
-        pid = proc.pid
-    try:
+    with soak_server(args) as (base, pid):
         model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         traffic = NovelTraffic(base, model, args.max_tokens, args.seed, args.schemas == "bounded")
         rounds = []
@@ -199,13 +189,6 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             rounds.append({"seconds": round(took, 1), "rss_mib": round(rss, 1) if rss is not None else None})
         big = asyncio.run(big_body_with_health(base, big_body(model)))
         health_after = httpx.get(base + "/health", timeout=10).status_code
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
     growth = rounds[1]["rss_mib"] - rounds[0]["rss_mib"] if pid else None
     report = {
         "cpu": cpu_name(), "requests_per_round": args.requests, "concurrency": args.concurrency,
