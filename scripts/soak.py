@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import httpx
 
@@ -349,10 +349,14 @@ def report_and_exit_code(report: dict[str, Any], json_path: Optional[pathlib.Pat
     return 1 if report["problems"] else 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
+def run(soak_fn: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> int:
+    """A soak's command line: run it offline-only, print its report, exit 1 on problems."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return report_and_exit_code(soak(args), args.json)
+    return report_and_exit_code(soak_fn(args), args.json)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run(soak, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from soak import DEFAULT_SERVER_ARGS, report_and_exit_code, rss_bytes, soak_server, wait_idle  # noqa: E402
+from soak import DEFAULT_SERVER_ARGS, rss_bytes, run, soak_server, wait_idle  # noqa: E402
 
 TRIM_WAIT_S = 11.0  # the engine hands freed heap back at most every 10 s (engine/frontend/async_engine.py TRIM_INTERVAL_S)
 BIG_MESSAGES, BIG_KEYS = 1024, 40
@@ -216,9 +216,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return report_and_exit_code(soak(args), args.json)
+    return run(soak, parse_args(argv))
 
 
 if __name__ == "__main__":
