@@ -416,6 +416,20 @@ void run_blocks(const Table<Fn, RMax, BMax>& t, int64_t m, int64_t b0, int64_t b
   }
 }
 
+// The column blocks [0, blocks) over the threads, each range through the narrow tiles (up to kSmallRows rows) or
+// the wide ones.
+template <class Narrow, class Wide, class Call>
+void run_narrow_or_wide(const Narrow& narrow, const Wide& wide, bool small, int64_t m, int64_t blocks,
+                        int64_t min_blocks, Call&& call) {
+  over_threads(blocks, min_blocks, [&](int64_t b0, int64_t b1) {
+    if (small) {
+      run_blocks(narrow, m, b0, b1, call);
+    } else {
+      run_blocks(wide, m, b0, b1, call);
+    }
+  });
+}
+
 }  // namespace
 
 int64_t q8_gemm_isa() { return best_isa(); }
@@ -461,14 +475,8 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
     // Up to 4 rows: 4 x 2 tiles (one pass); above: 6 rows x 2 blocks (24 accumulators).
     static constexpr auto narrow = vnni_table<4, 2>(std::make_integer_sequence<int, 8>{});
     static constexpr auto wide = vnni_table<6, 2>(std::make_integer_sequence<int, 12>{});
-    over_threads(blocks, min_blocks, [&](int64_t b0, int64_t b1) {
-      auto call = [&](VnniFn fn, int64_t r, int64_t b) { fn(xq, r, st, b, o); };
-      if (small) {
-        run_blocks(narrow, m, b0, b1, call);
-      } else {
-        run_blocks(wide, m, b0, b1, call);
-      }
-    });
+    run_narrow_or_wide(narrow, wide, small, m, blocks, min_blocks,
+                       [&](VnniFn fn, int64_t r, int64_t b) { fn(xq, r, st, b, o); });
     return;
   }
 #endif
@@ -478,14 +486,8 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
     // Up to 4 rows: 4 x 2 tiles (one pass); above: 8 rows x 2 blocks (16 accumulators).
     static constexpr auto narrow = widen_table<4, 2>(std::make_integer_sequence<int, 8>{});
     static constexpr auto wide = widen_table<8, 2>(std::make_integer_sequence<int, 16>{});
-    over_threads(blocks, min_blocks, [&](int64_t b0, int64_t b1) {
-      auto call = [&](WideFn fn, int64_t r, int64_t b) { fn(xf.data(), kb * kQ, r, st, b, o); };
-      if (small) {
-        run_blocks(narrow, m, b0, b1, call);
-      } else {
-        run_blocks(wide, m, b0, b1, call);
-      }
-    });
+    run_narrow_or_wide(narrow, wide, small, m, blocks, min_blocks,
+                       [&](WideFn fn, int64_t r, int64_t b) { fn(xf.data(), kb * kQ, r, st, b, o); });
     return;
   }
 #endif
