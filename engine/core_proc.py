@@ -14,22 +14,19 @@ The core never outlives the frontend: PR_SET_PDEATHSIG (SIGKILL) and a thread wa
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import sys
-import threading
 from typing import Any
 
 import msgspec
 import zmq
 
 from engine.config import EngineConfig
+from engine.platform.parent import exit_with_parent
 
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 def encoder() -> msgspec.msgpack.Encoder:
@@ -40,33 +37,13 @@ def decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder()
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the parent exits (Linux), and a watch thread for the rest: no orphaned core after the API
-    server is killed with SIGKILL."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the watch thread alone
-        pass
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            threading.Event().wait(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="core-parent-watch", daemon=True).start()
-
-
 def core_main(config: EngineConfig, in_addr: str, out_addr: str, parent: int) -> None:
     """Entry point of the spawned core process."""
     # The API server decides when to stop (it drains first, then sends "stop"): Ctrl-C or a SIGTERM sent to the
     # whole process group must not end the core under requests in flight.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent(parent)
+    exit_with_parent(parent, "core-parent-watch")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s core %(name)s: %(message)s")
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

@@ -39,12 +39,17 @@ DEFAULT_SERVER_ARGS = "--max-model-len 256 --num-gpu-blocks-override 96 --max-nu
 GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_swapped")
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags that pick the server under soak (see soak_server)."""
     p.add_argument("--url", help="a running server; default: start one")
     p.add_argument("--pid", type=int, help="the running server's pid, for its RSS (with --url)")
     p.add_argument("--model", default=None, help="model for the server this script starts (default model if omitted)")
     p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="extra `pagedserve serve` flags")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_server_args(p)
     p.add_argument("--duration-s", type=float, default=600.0)
     p.add_argument("--warmup-s", type=float, default=None, help="default: 20%% of the duration")
     p.add_argument("--concurrency", type=int, default=8)

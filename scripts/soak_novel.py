@@ -30,7 +30,7 @@ from typing import Any, Optional
 import httpx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from soak import DEFAULT_SERVER_ARGS, rss_bytes, run, soak_server, wait_idle  # noqa: E402
+from soak import add_server_args, rss_bytes, run, soak_server, wait_idle  # noqa: E402
 
 TRIM_WAIT_S = 11.0  # the engine hands freed heap back at most every 10 s (engine/frontend/async_engine.py TRIM_INTERVAL_S)
 BIG_MESSAGES, BIG_KEYS = 1024, 40
@@ -38,10 +38,7 @@ BIG_MESSAGES, BIG_KEYS = 1024, 40
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", help="a running server; default: start one")
-    p.add_argument("--pid", type=int, help="the running server's pid, for its RSS (with --url)")
-    p.add_argument("--model", default=None, help="model for the server this script starts (default model if omitted)")
-    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="extra `pagedserve serve` flags")
+    add_server_args(p)
     p.add_argument("--requests", type=int, default=300, help="requests per round")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)

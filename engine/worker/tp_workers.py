@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.config import EngineConfig
+from engine.platform.parent import exit_with_parent
 from engine.distributed.group import (StartupError, TPGroup, cpu_threads_per_rank, free_port, init_tp_group,
                                 torchrun_env)
 from engine.worker.model_runner import ModelInput
@@ -219,23 +220,10 @@ def _spawned_main(config: EngineConfig, rank: int, world: int, addr: str, port: 
     # Ctrl-C reaches the whole process group: only the driver decides (it drains, then stops the ranks).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s tp{rank} %(name)s: %(message)s")
-    _exit_with_parent()
+    exit_with_parent(os.getppid(), "tp-parent-watch", poll_s=1.0)  # never outlive the driver, even SIGKILLed
     try:
         code = run_worker(config, rank, world, addr, port)
     except StartupError as exc:
         logger.error("%s", exc)
         code = 2
     os._exit(code)  # no interpreter teardown: nothing left to flush, and gloo's threads need no join
-
-
-def _exit_with_parent() -> None:
-    """A spawned rank never outlives the driver, even one killed with SIGKILL while this rank computes."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            threading.Event().wait(1.0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
