@@ -11,15 +11,24 @@
 //   scales:  [N/16][K/32][16]        float16 d of the 16 columns' block, after all the weights
 //
 // Paths, picked at run time (or forced by `isa`, for tests):
-//   kAvx512 (the default on AVX-512): x stays float32, each weight byte is widened to float32 in registers and scaled
+//   kAvx512 (AVX-512 without VNNI): x stays float32, each weight byte is widened to float32 in registers and scaled
 //     by its column's d, 16 columns a zmm (a decode step is bound by reading the weights, not by this arithmetic).
-//   kVnni (AVX-512 VNNI, with PAGEDSERVE_Q8_INT8_ACTIVATIONS=1): each row of x is quantized per 32-block the same way
-//     (xq = round(x / dx), dx = amax / 127, llama.cpp's Q8_0 x Q8_0 dot), and vpdpbusd sums 4 products (q + 128) * xq a lane. The offset is taken off per
-//     block with the row's 128 * sum(xq), so the sum is exact in int32; then acc += float(sum) * (d * dx).
+//   kVnni (AVX-512 VNNI; the default, except bfloat16 panels from kPanelRowsVnni rows): each row of x is split per
+//     32-block into two int8 parts, x = dx * (xh + xl / 254) with dx = amax / 127, xh = round(x / dx) and
+//     xl = round(254 (x / dx - xh)), and vpdpbusd sums 4 products (q + 128) * xh (and * xl) a lane. The offset is
+//     taken off per block with the row's 128 * sum(xh) (and xl), so both sums are exact in int32; then
+//     acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest value,
+//     finer than bfloat16's rounding of x itself: one part alone (llama.cpp's Q8_0 x Q8_0 dot) moved SmolLM2's
+//     greedy outputs off the float product's (204 of 256 tokens).
 //   kAvx2 (AVX2 + FMA): as kAvx512, 8 columns a ymm; each weight byte is widened to float32 in
 //     registers and scaled by its column's d (q + 128 - 128 in one fmsub), then multiplied with x in float32.
+//   kPanel (a prefill, a wide decode batch: use_panels): the weights are dequantized a panel of columns at a time
+//     into W^T [K, P] (bfloat16 where the CPU multiplies bfloat16 natively and x and out are bfloat16, float32
+//     otherwise; 4 MiB) and multiplied by torch's GEMM (oneDNN: AMX tiles or AVX-512 BF16 / FMA), several times the
+//     int8 tiles' rate once there are rows enough to reuse each weight.
 //
-// Threads: the 16-column blocks are split over the caller's OpenMP threads, as small_gemm does (csrc/cpu/small_gemm.cpp).
+// Threads: the 16-column blocks are split over the caller's OpenMP threads, as small_gemm does (csrc/cpu/small_gemm.cpp);
+// the panel path dequantizes on them and leaves the GEMM to torch's own threads.
 #include <omp.h>
 
 #include <algorithm>
@@ -27,6 +36,8 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,7 +65,11 @@ constexpr int64_t kMinBlocksPerThread = 8;     // a second thread costs more tha
 constexpr int64_t kMinBlocksPerThreadWide = 2;
 constexpr int64_t kPrefetchAhead = 16;        // cache lines of a weight stream prefetched ahead (into L2)
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kVnni = 5 };
+enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
+
+constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (beat 1 MiB panels from 128 rows up)
+constexpr int64_t kPanelRowsVnni = 48;    // bfloat16 panels from this many rows on a VNNI CPU (never float32 ones)
+constexpr int64_t kPanelRowsWiden = 32;   // panels from this many rows where the widening tiles serve
 
 bool cpu_has_vnni() {
 #if defined(__AVX512F__) && defined(__GNUC__)
@@ -65,15 +80,38 @@ bool cpu_has_vnni() {
 #endif
 }
 
-// int8 activations (kVnni) only when asked: PAGEDSERVE_Q8_INT8_ACTIVATIONS=1. Quantizing x per 32-block doubled what
-// Q8_0 weights alone move SmolLM2-135M's logprobs (mean |Δlogp| 0.045 -> 0.088 nat against float32), and greedy
-// outputs of its Q8_0 GGUF matched the file dequantized for 80 % of tokens, against 100 % with x in float32.
-bool int8_activations() {
-  static const bool on = [] {
-    const char* v = std::getenv("PAGEDSERVE_Q8_INT8_ACTIVATIONS");
-    return v != nullptr && v[0] == '1';
+// oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX): a bfloat16 x meets a bfloat16 panel; elsewhere the
+// panel is float32 (oneDNN's bfloat16 GEMM without these instructions converts every tile first).
+bool cpu_has_bf16_dot() {
+#if defined(__AVX512F__) && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// The panel's dtype: bfloat16 where x and out are bfloat16 and the CPU multiplies bfloat16 natively, else float32
+// (a float32 row, the head's float32 logits included, keeps float32 products).
+at::ScalarType panel_dtype(const at::Tensor& x, const at::Tensor& out) {
+  return x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot() ? at::kBFloat16
+                                                                                                     : at::kFloat;
+}
+
+// Whether m rows go through the panels (measured: docs/benchmarks.md, "int8 prefill through dequantized panels"). On
+// a VNNI CPU the int8 tiles beat float32 panels at every row count and bfloat16 panels below kPanelRowsVnni rows;
+// the widening tiles lose to either panel from kPanelRowsWiden rows. PAGEDSERVE_Q8_PANEL_ROWS=R moves the threshold
+// to R rows for every dtype (0: never), for measuring.
+bool use_panels(int64_t m, at::ScalarType pt) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("PAGEDSERVE_Q8_PANEL_ROWS");
+    if (v == nullptr || v[0] == '\0') return int64_t{-1};
+    const long long r = std::atoll(v);
+    return r <= 0 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(r);
   }();
-  return on;
+  if (forced >= 0) return m >= forced;
+  if (cpu_has_vnni()) return pt == at::kBFloat16 && m >= kPanelRowsVnni;
+  return m >= kPanelRowsWiden;
 }
 
 Isa best_isa() {
@@ -117,22 +155,26 @@ struct Stream {
   int64_t kb;             // 32-k blocks along K
 };
 
-// x quantized per 32-block (the VNNI path): int8 rows of kb * 32 (K padded with zeros), per block its scale dx and
-// 128 * sum(xq) (what the weights' offset adds to a block's integer sum).
+constexpr float kLowSteps = 254.0f;  // xl's steps per step of xh
+
+// x quantized per 32-block in two parts (the VNNI path): int8 rows of kb * 32 (K padded with zeros) of xh and of xl,
+// per block its scale dx and 128 * sum(xh), 128 * sum(xl) (what the weights' offset adds to a block's integer sums).
 struct XQuant {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, ql;
   std::vector<float> d;
-  std::vector<int32_t> corr;
+  std::vector<int32_t> corr, corrl;
   int64_t kb = 0;
 };
 
 template <typename T>
 inline float as_float(T v) { return static_cast<float>(v); }
 
-// One row's 32-blocks, quantized as engine/model_executor/layers/quant.py's reference does: dx = amax / 127 (float32), xq = round-half-even
-// (x * (1 / dx)); a block of zeros has dx = 0 and xq = 0.
+// One row's 32-blocks in two parts, as engine/model_executor/layers/quant.py's reference does: dx = amax / 127
+// (float32), t = x * (1 / dx), xh = round-half-even(t), xl = round-half-even(254 * (t - xh)); a block of zeros has
+// dx = 0 and xh = xl = 0.
 template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t kb, int8_t* q, float* d, int32_t* corr) {
+void quantize_row(const T* x, int64_t k, int64_t kb, int8_t* q, int8_t* ql, float* d, int32_t* corr,
+                  int32_t* corrl) {
   float vals[kQ];
   for (int64_t j = 0; j < kb; ++j) {
     const int64_t k0 = j * kQ, len = std::min<int64_t>(kQ, k - k0);
@@ -143,15 +185,21 @@ void quantize_row(const T* x, int64_t k, int64_t kb, int8_t* q, float* d, int32_
     }
     const float dj = amax / 127.0f;
     const float id = dj != 0.0f ? 1.0f / dj : 0.0f;
-    int32_t sum = 0;
+    int32_t sum = 0, suml = 0;
     for (int64_t i = 0; i < kQ; ++i) {
-      const float r = std::nearbyint(vals[i] * id);  // the default rounding mode: to nearest, ties to even
+      const float t = vals[i] * id;
+      const float r = std::nearbyint(t);  // the default rounding mode: to nearest, ties to even
       const int32_t v = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, r)));
+      const float rl = std::nearbyint((t - static_cast<float>(v)) * kLowSteps);
+      const int32_t vl = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, rl)));
       q[k0 + i] = static_cast<int8_t>(v);
+      ql[k0 + i] = static_cast<int8_t>(vl);
       sum += v;
+      suml += vl;
     }
     d[j] = dj;
     corr[j] = 128 * sum;
+    corrl[j] = 128 * suml;
   }
 }
 
@@ -160,18 +208,20 @@ XQuant quantize_x(const at::Tensor& x, int64_t kb) {
   XQuant xq;
   xq.kb = kb;
   xq.q.resize(m * kb * kQ);
+  xq.ql.resize(m * kb * kQ);
   xq.d.resize(m * kb);
   xq.corr.resize(m * kb);
+  xq.corrl.resize(m * kb);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int64_t stride = x.stride(0);
   const void* base = x.data_ptr();
   auto row = [&](int64_t r) {
     if (bf16) {
       quantize_row(static_cast<const c10::BFloat16*>(base) + r * stride, k, kb, xq.q.data() + r * kb * kQ,
-                   xq.d.data() + r * kb, xq.corr.data() + r * kb);
+                   xq.ql.data() + r * kb * kQ, xq.d.data() + r * kb, xq.corr.data() + r * kb, xq.corrl.data() + r * kb);
     } else {
       quantize_row(static_cast<const float*>(base) + r * stride, k, kb, xq.q.data() + r * kb * kQ,
-                   xq.d.data() + r * kb, xq.corr.data() + r * kb);
+                   xq.ql.data() + r * kb * kQ, xq.d.data() + r * kb, xq.corr.data() + r * kb, xq.corrl.data() + r * kb);
     }
   };
   if (m * k >= (1 << 16) && m > 1) {
@@ -204,7 +254,8 @@ std::vector<float> widen_x(const at::Tensor& x, int64_t width) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")
 
-// R rows, B blocks of 16 columns: R * B int32 block sums and R * B float32 accumulators (R = 4, B = 2: 18 zmm).
+// R rows, B blocks of 16 columns: 2 R B int32 block sums (xh's and xl's) and R B float32 accumulators (R = 3, B = 2:
+// 18 zmm).
 template <int R, int B>
 void tile_vnni(const XQuant& xq, int64_t row0, const Stream& st, int64_t b0, const Out& o) {
   __m512 acc[R][B];
@@ -218,17 +269,22 @@ void tile_vnni(const XQuant& xq, int64_t row0, const Stream& st, int64_t b0, con
     sb[b] = st.s + (b0 + b) * st.s_block;
   }
   const int8_t* xr[R];
+  const int8_t* xl[R];
   const float* dr[R];
   const int32_t* cr[R];
+  const int32_t* cl[R];
   for (int r = 0; r < R; ++r) {
     xr[r] = xq.q.data() + (row0 + r) * kb * kQ;
+    xl[r] = xq.ql.data() + (row0 + r) * kb * kQ;
     dr[r] = xq.d.data() + (row0 + r) * kb;
     cr[r] = xq.corr.data() + (row0 + r) * kb;
+    cl[r] = xq.corrl.data() + (row0 + r) * kb;
   }
+  const __m512 low_step = _mm512_set1_ps(1.0f / kLowSteps);
   for (int64_t j = 0; j < kb; ++j) {
-    __m512i sum[R][B];
+    __m512i sum[R][B], suml[R][B];
     for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) sum[r][b] = _mm512_setzero_si512();
+      for (int b = 0; b < B; ++b) sum[r][b] = suml[r][b] = _mm512_setzero_si512();
     for (int g = 0; g < kQ / 4; ++g) {  // 4 k per 32-bit lane: 8 loads of 64 bytes per block
       __m512i wv[B];
       for (int b = 0; b < B; ++b) {
@@ -237,20 +293,26 @@ void tile_vnni(const XQuant& xq, int64_t row0, const Stream& st, int64_t b0, con
         wv[b] = _mm512_loadu_si512(line);
       }
       for (int r = 0; r < R; ++r) {
-        int32_t four;
+        int32_t four, fourl;
         std::memcpy(&four, xr[r] + j * kQ + g * 4, 4);
-        const __m512i xv = _mm512_set1_epi32(four);
-        for (int b = 0; b < B; ++b) sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], wv[b], xv);
+        std::memcpy(&fourl, xl[r] + j * kQ + g * 4, 4);
+        const __m512i xv = _mm512_set1_epi32(four), xvl = _mm512_set1_epi32(fourl);
+        for (int b = 0; b < B; ++b) {
+          sum[r][b] = _mm512_dpbusd_epi32(sum[r][b], wv[b], xv);
+          suml[r][b] = _mm512_dpbusd_epi32(suml[r][b], wv[b], xvl);
+        }
       }
     }
     __m512 ds[B];
     for (int b = 0; b < B; ++b)
       ds[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb[b] + j * kCols)));
     for (int r = 0; r < R; ++r) {
-      const __m512i corr = _mm512_set1_epi32(cr[r][j]);
+      const __m512i corr = _mm512_set1_epi32(cr[r][j]), corrl = _mm512_set1_epi32(cl[r][j]);
       const __m512 dx = _mm512_set1_ps(dr[r][j]);
       for (int b = 0; b < B; ++b) {
-        const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][b], corr));
+        const __m512 high = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][b], corr));
+        const __m512 lowp = _mm512_cvtepi32_ps(_mm512_sub_epi32(suml[r][b], corrl));
+        const __m512 exact = _mm512_fmadd_ps(lowp, low_step, high);
         acc[r][b] = _mm512_fmadd_ps(exact, _mm512_mul_ps(ds[b], dx), acc[r][b]);
       }
     }
@@ -313,6 +375,39 @@ void tile_widen_avx512(const float* x, int64_t xs, int64_t row0, const Stream& s
     }
 }
 
+// Blocks [b0, b1) of the packed weight, dequantized transposed: dst[k * ld + (b - b0) * 16 + c] = d * q of column
+// c, for the 32-k blocks [j0, j1) (k < K only: the zero padding is not written). bfloat16 rounds to nearest even.
+template <typename T>
+void dequant_panel_avx512(const Stream& st, int64_t b0, int64_t b1, int64_t j0, int64_t j1, int64_t k, T* dst,
+                          int64_t ld) {
+  const __m512i low = _mm512_set1_epi32(0xff);
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* w = st.w + b * st.w_block + j * kBlockBytes;
+      const __m512 ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st.s + b * st.s_block + j * kCols)));
+      const __m512 ds128 = _mm512_mul_ps(ds, _mm512_set1_ps(128.0f));
+      for (int g = 0; g < kQ / 4; ++g) {
+        const __m512i v = _mm512_loadu_si512(w + g * 64);
+        for (int i = 0; i < 4; ++i) {
+          const int64_t kk = j * kQ + g * 4 + i;
+          if (kk >= k) break;
+          const __m512i u = i == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * i), low);
+          const __m512 f = _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), ds, ds128);
+          T* row = dst + kk * ld + (b - b0) * kCols;
+          if constexpr (std::is_same_v<T, float>) {
+            _mm512_storeu_ps(row, f);
+          } else {  // round to nearest even: bits + 0x7fff + (bit 16), the high half (these are finite values)
+            const __m512i bits = _mm512_castps_si512(f);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm512_cvtepi32_epi16(r));
+          }
+        }
+      }
+    }
+  }
+}
+
 #pragma GCC pop_options
 #endif  // __AVX512F__
 
@@ -356,6 +451,31 @@ void tile_avx2(const float* x, int64_t xs, int64_t row0, const Stream& st, int64
     _mm256_store_ps(buf, acc[r][0]);
     _mm256_store_ps(buf + 8, acc[r][1]);
     store_row(o, row0 + r, b0 * kCols, buf);
+  }
+}
+
+// dequant_panel_avx512's float32 form on AVX2 (8 columns a ymm).
+inline void dequant_panel_avx2(const Stream& st, int64_t b0, int64_t b1, int64_t j0, int64_t j1, int64_t k, float* dst,
+                               int64_t ld) {
+  const __m256i low = _mm256_set1_epi32(0xff);
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* w = st.w + b * st.w_block + j * kBlockBytes;
+      const uint16_t* s = st.s + b * st.s_block + j * kCols;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h * 8)));
+        const __m256 ds128 = _mm256_mul_ps(ds, _mm256_set1_ps(128.0f));
+        for (int g = 0; g < kQ / 4; ++g) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 64 + h * 32));
+          for (int i = 0; i < 4; ++i) {
+            const int64_t kk = j * kQ + g * 4 + i;
+            if (kk >= k) break;
+            const __m256i u = i == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * i), low);
+            _mm256_storeu_ps(dst + kk * ld + (b - b0) * kCols + h * 8, _mm256_fmsub_ps(_mm256_cvtepi32_ps(u), ds, ds128));
+          }
+        }
+      }
+    }
   }
 }
 
@@ -430,6 +550,48 @@ void run_narrow_or_wide(const Narrow& narrow, const Wide& wide, bool small, int6
   });
 }
 
+// kPanel: out = x @ W^T a panel of P columns at a time: W^T's panel dequantized into [K, P] on the caller's OpenMP
+// threads, then torch's GEMM (oneDNN) into out's columns, with the bias where out has the panel's dtype.
+void gemm_panels(at::Tensor& out, const at::Tensor& x, const Stream& st, int64_t n, int64_t k,
+                 const at::Tensor& bias_f32) {
+  const at::ScalarType pt = panel_dtype(x, out);
+  const int64_t elt = pt == at::kFloat ? 4 : 2;
+  const int64_t blocks = (n + kCols - 1) / kCols;
+  const int64_t panel_blocks = std::min(blocks, std::max<int64_t>(4, kPanelBytes / (k * elt * kCols)));
+  const at::Tensor xin = x.scalar_type() == pt ? x : x.to(pt);
+  const at::Tensor bias = bias_f32.defined() ? bias_f32.to(pt) : at::Tensor();
+  at::Tensor scratch = at::empty({k * panel_blocks * kCols}, x.options().dtype(pt));
+  const bool direct = out.scalar_type() == pt;
+  for (int64_t b0 = 0; b0 < blocks; b0 += panel_blocks) {
+    const int64_t b1 = std::min(blocks, b0 + panel_blocks), ld = (b1 - b0) * kCols;
+    const int64_t c0 = b0 * kCols, cols = std::min(n, b1 * kCols) - c0;
+    over_threads(st.kb, 1, [&](int64_t j0, int64_t j1) {
+#if defined(__AVX512F__)
+      if (pt == at::kFloat) {
+        dequant_panel_avx512(st, b0, b1, j0, j1, k, scratch.data_ptr<float>(), ld);
+      } else {
+        dequant_panel_avx512(st, b0, b1, j0, j1, k, scratch.data_ptr<c10::BFloat16>(), ld);
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      dequant_panel_avx2(st, b0, b1, j0, j1, k, scratch.data_ptr<float>(), ld);
+#endif
+    });
+    const at::Tensor wt = scratch.narrow(0, 0, k * ld).view({k, ld}).narrow(1, 0, cols);
+    at::Tensor o = out.narrow(1, c0, cols);
+    if (direct) {
+      if (bias.defined()) {
+        at::addmm_out(o, bias.narrow(0, c0, cols), xin, wt);
+      } else {
+        at::mm_out(o, xin, wt);
+      }
+    } else {
+      at::Tensor t = at::mm(xin, wt);
+      if (bias.defined()) t.add_(bias.narrow(0, c0, cols));
+      o.copy_(t);
+    }
+  }
+}
+
 }  // namespace
 
 int64_t q8_gemm_isa() { return best_isa(); }
@@ -457,7 +619,8 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
   const Isa best = best_isa();
-  const Isa use = isa != kAuto ? static_cast<Isa>(isa) : best == kVnni && !int8_activations() ? kAvx512 : best;
+  const bool panel = isa == kPanel || (isa == kAuto && use_panels(m, panel_dtype(x, out)));
+  const Isa use = isa != kAuto && !panel ? static_cast<Isa>(isa) : best;
   TORCH_CHECK(use != kAuto && (use == kAvx2 || use == kAvx512 || use == kVnni) && use <= best, "q8_gemm: ISA path ",
               isa, " is not in this build or on this CPU (best ", best, ")");
   if (m == 0 || n == 0) return;
@@ -466,15 +629,16 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
   const bool f32 = out.scalar_type() == at::kFloat;
   const Out o{f32 ? out.data_ptr<float>() : nullptr, f32 ? nullptr : out.data_ptr<c10::BFloat16>(), out.stride(0),
               bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n};
+  if (panel) return gemm_panels(out, x, st, n, k, bias_f32);
   const bool small = m <= kSmallRows;
   const int64_t min_blocks = small ? kMinBlocksPerThread : kMinBlocksPerThreadWide;
 
 #if defined(__AVX512F__)
   if (use == kVnni) {
     const XQuant xq = quantize_x(x, kb);
-    // Up to 4 rows: 4 x 2 tiles (one pass); above: 6 rows x 2 blocks (24 accumulators).
+    // Up to 4 rows: 4 x 2 tiles (one pass); above: 4 rows x 2 blocks as well (16 sums, 8 accumulators).
     static constexpr auto narrow = vnni_table<4, 2>(std::make_integer_sequence<int, 8>{});
-    static constexpr auto wide = vnni_table<6, 2>(std::make_integer_sequence<int, 12>{});
+    static constexpr auto wide = vnni_table<4, 2>(std::make_integer_sequence<int, 8>{});
     run_narrow_or_wide(narrow, wide, small, m, blocks, min_blocks,
                        [&](VnniFn fn, int64_t r, int64_t b) { fn(xq, r, st, b, o); });
     return;

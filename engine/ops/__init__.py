@@ -281,8 +281,9 @@ def _small_gemm_module(isa: int, *tensors: torch.Tensor):
 
 
 # q8_gemm's ISA paths (csrc/cpu/q8_gemm.cpp): AVX2 and AVX-512 widen the int8 weights to float32 (x in float32, the
-# default), VNNI quantizes x per 32-block and multiplies in int8 (PAGEDSERVE_Q8_INT8_ACTIVATIONS=1).
-Q8_GEMM_AUTO, Q8_GEMM_AVX2, Q8_GEMM_AVX512, Q8_GEMM_VNNI = 0, 2, 3, 5
+# default), VNNI quantizes x per 32-block and multiplies in int8 (PAGEDSERVE_Q8_INT8_ACTIVATIONS=1); PANEL dequantizes
+# the weights a panel at a time for torch's GEMM (the default from a few rows up: prefill, wide decode batches).
+Q8_GEMM_AUTO, Q8_GEMM_AVX2, Q8_GEMM_AVX512, Q8_GEMM_VNNI, Q8_GEMM_PANEL = 0, 2, 3, 5, 7
 
 
 def q8_gemm_isa() -> int:

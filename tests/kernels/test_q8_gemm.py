@@ -9,16 +9,27 @@ import pytest
 import torch
 
 from engine import ops
-from engine.model_executor.layers.quant import (QK, dequantize_q8_0, pack_q8, q8_numel, q8_rows, quantize_q8_0, ref_q8_gemm)
+from engine.model_executor.layers.quant import (QK, dequantize_q8_0, pack_q8, q8_numel, q8_rows, quantize_activations,
+                                                quantize_q8_0, ref_q8_gemm)
 from kernels.conftest import torch_threads
 
 BEST = ops.q8_gemm_isa()
 pytestmark = pytest.mark.skipif(BEST == 0, reason="the compiled kernels have no int8 GEMM path on this CPU")
 
-ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST]
+ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST] + [ops.Q8_GEMM_PANEL]
 # (N, K): whole blocks, N and K ragged, N under one block, SmolLM2's and the 1B model's widths.
 SHAPES = [(64, 64), (37, 70), (5, 32), (200, 1000), (1536, 576), (256, 2048)]
+# The panel path multiplies bfloat16 x with bfloat16 panels into bfloat16 rows where the CPU has bfloat16 dot
+# products.
+BF16_DOT = "avx512_bf16" in open("/proc/cpuinfo").read()
 ROWS = (1, 2, 3, 4, 5, 6, 7, 12, 13, 70, 130)  # one-pass tiles (<= 4), tall tiles whole and partial, two row chunks
+
+
+def _ref(x, q, d, bias, isa, out_dtype=None):
+    out_dtype = out_dtype or x.dtype
+    panel_bf16 = isa == ops.Q8_GEMM_PANEL and x.dtype == out_dtype == torch.bfloat16 and BF16_DOT
+    return ref_q8_gemm(x, q, d, bias, quantized_x=isa == ops.Q8_GEMM_VNNI,
+                       weight_dtype=torch.bfloat16 if panel_bf16 else torch.float32)
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
@@ -41,7 +52,7 @@ def test_q8_gemm_matches_reference(isa, dtype, shape):
         x = torch.randn(rows, k, generator=gen).to(dtype)
         for b in (None, bias):
             out = ops.q8_gemm(torch.empty(rows, n, dtype=dtype), x, packed, b, isa)
-            _check(out, ref_q8_gemm(x, q, d, b, quantized_x=isa == ops.Q8_GEMM_VNNI), k)
+            _check(out, _ref(x, q, d, b, isa), k)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -53,10 +64,10 @@ def test_q8_gemm_bfloat16_in_float32_out_and_strided_rows(isa):
     wide = torch.randn(9, k + 40, generator=gen).bfloat16()
     x = wide[:, 8:8 + k]  # rows k + 40 apart
     out = ops.q8_gemm(torch.empty(9, n), x, packed, None, isa)  # a head's logits: float32 from bfloat16
-    _check(out, ref_q8_gemm(x, q, d, None, quantized_x=isa == ops.Q8_GEMM_VNNI), k)
+    _check(out, _ref(x, q, d, None, isa, torch.float32), k)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != ops.Q8_GEMM_PANEL])  # torch's GEMM: no such promise
 def test_q8_gemm_same_bits_on_one_and_two_threads(isa):
     n, k = 1000, 256  # 63 blocks: an uneven split, the last block partial
     gen = torch.Generator().manual_seed(5)
@@ -115,12 +126,19 @@ def test_pack_q8_round_trips_rows():
     torch.testing.assert_close(q8_rows(packed, ids, n, k), dequantize_q8_0(q, d, k)[ids], rtol=0, atol=0)
 
 
-def test_q8_gemm_default_keeps_activations_in_float32(monkeypatch):
-    """The default path multiplies float32 x with the widened int8 weights (weights-only quantization): int8
-    activations moved SmolLM2's greedy outputs off its Q8_0 file's dequantized ones (csrc/cpu/q8_gemm.cpp)."""
+def test_q8_gemm_default_tracks_the_float_product():
+    """The default path (two int8 parts of x on a VNNI CPU, x in float32 elsewhere) moves a linear's output on
+    outlier-heavy rows by a small fraction of what rounding x to bfloat16 moves it; one int8 part alone (llama.cpp's
+    Q8_0 x Q8_0 dot), which moved SmolLM2's greedy outputs (csrc/cpu/q8_gemm.cpp), moves it further than bfloat16."""
     n, k = 96, 320
     gen = torch.Generator().manual_seed(9)
     q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
     x = torch.randn(3, k, generator=gen) * torch.linspace(0.01, 10, k)  # outlier-heavy rows
     out = ops.q8_gemm(torch.empty(3, n), x, pack_q8(q, d), None)
-    _check(out, ref_q8_gemm(x, q, d, None, quantized_x=False), k)
+    exact = ref_q8_gemm(x, q, d, None)
+    err = (out.double() - exact).abs().max().item()
+    bf16_err = (ref_q8_gemm(x.bfloat16().float(), q, d, None) - exact).abs().max().item()
+    xh, _, dx = quantize_activations(x)
+    one_part_err = (ref_q8_gemm((xh * dx.unsqueeze(-1)).flatten(1)[:, :k], q, d, None) - exact).abs().max().item()
+    assert err < bf16_err / 20, (err, bf16_err)
+    assert one_part_err > bf16_err, (one_part_err, bf16_err)

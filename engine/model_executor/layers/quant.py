@@ -106,32 +106,42 @@ def q8_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int, dtype: torc
     return rows.flatten(-2)[..., :k].to(dtype)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] per 32-block as the VNNI path quantizes it: (xq float [M, KB, 32] of integers, dx float32
-    [M, KB]); dx = amax / 127, xq = round-half-even(x * (1 / dx)), 0 for a block of zeros."""
+LOW_STEPS = 254.0  # the low part's steps per step of the high one (csrc/cpu/q8_gemm.cpp kLowSteps)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] per 32-block in the VNNI path's two int8 parts: (xh, xl float [M, KB, 32] of integers, dx float32
+    [M, KB]) with x ~ dx * (xh + xl / 254); dx = amax / 127, t = x * (1 / dx), xh = round-half-even(t),
+    xl = round-half-even(254 * (t - xh)); 0 for a block of zeros."""
     m, k = x.shape
     kb = -(-k // QK)
     xb = nn.functional.pad(x.float(), (0, kb * QK - k)).view(m, kb, QK)
     dx = xb.abs().amax(dim=-1) / 127.0
     inv = torch.where(dx == 0, torch.zeros_like(dx), 1.0 / dx)
-    return torch.round(xb * inv.unsqueeze(-1)).clamp_(-127, 127), dx
+    t = xb * inv.unsqueeze(-1)
+    xh = torch.round(t).clamp_(-127, 127)
+    xl = torch.round((t - xh) * LOW_STEPS).clamp_(-127, 127)
+    return xh, xl, dx
 
 
 def ref_q8_gemm(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                quantized_x: bool = False) -> torch.Tensor:
+                quantized_x: bool = False, weight_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """float64 [M, N] reference of q8_gemm: x [M, K] against Q8_0 blocks (q [N, KB * 32], d [N, KB]).
 
-    quantized_x: x quantized per 32-block first (the VNNI path: exact integer block sums, each scaled by the
-    float32 product d * dx); else x times the dequantized weight (the AVX2 path)."""
+    quantized_x: x split per 32-block into two int8 parts first (the VNNI path: exact integer block sums, each
+    scaled by the float32 product d * dx); else x times the dequantized weight (the widening and panel paths),
+    rounded to weight_dtype first (bfloat16: the panel path's bfloat16 panels)."""
     m, k = x.shape
     n = q.shape[0]
     if quantized_x:
-        xq, dx = quantize_activations(x)
-        sums = torch.einsum("mjc,njc->mnj", xq.double(), q.double().view(n, -1, QK))  # exact: |sum| < 2^19
+        xh, xl, dx = quantize_activations(x)
+        qb = q.double().view(n, -1, QK)
+        sums = (torch.einsum("mjc,njc->mnj", xh.double(), qb)  # exact: |sum| < 2^19
+                + torch.einsum("mjc,njc->mnj", xl.double(), qb) / LOW_STEPS)
         scale = (d.float().unsqueeze(0) * dx.unsqueeze(1)).double()  # [M, N, KB], rounded to float32 as the kernel
         out = (sums * scale).sum(-1)
     else:
-        out = x.double() @ dequantize_q8_0(q, d, k).double().T
+        out = x.double() @ dequantize_q8_0(q, d, k).to(weight_dtype).double().T
     return out if bias is None else out + bias.double()
 
 
