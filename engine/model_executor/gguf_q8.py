@@ -20,7 +20,9 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
-from engine.model_executor.layers.quant import attach_q8_embedding, attach_q8_linear, pack_q8, quantize_q8_0
+from engine.model_executor.layers.cpu_linear import _trim_heap
+from engine.model_executor.layers.quant import (COLS, QK, attach_q8_embedding, attach_q8_linear, pack_q8, q8_numel,
+                                                quantize_q8_0)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "ffn_down": "mlp.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+READ_CHUNK_BYTES = 16 << 20  # a Q8_0 tensor is read and packed this many bytes at a time
 _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -75,20 +78,22 @@ def is_q8_gguf(path: Path) -> bool:
     return arch in ARCHS and bool(linears) and all(i.kind == "Q8_0" for i in linears)
 
 
-def _read(f, info: _Info) -> torch.Tensor:
-    buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    f.seek(info.offset)
-    if f.readinto(memoryview(buf.numpy())) != info.nbytes:
+def _read(f, info: _Info, start: int = 0, nbytes: Optional[int] = None) -> torch.Tensor:
+    """Bytes [start, start + nbytes) of a tensor's data (all of it by default), read, not mapped."""
+    nbytes = info.nbytes - start if nbytes is None else nbytes
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    f.seek(info.offset + start)
+    if f.readinto(memoryview(buf.numpy())) != nbytes:
         raise ValueError(f"GGUF tensor {info.name}: the file ends before its {info.nbytes} bytes")
     return buf
 
 
 def _q8_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 tensor's bytes (34 a block: float16 d, 32 int8 q) as (q int8 [N, K], d float16 [N, K / 32])."""
+    """A Q8_0 tensor's bytes (34 a block: float16 d, 32 int8 q) as views of them, no copy: (q int8 [N, K / 32, 32],
+    d float16 [N, K / 32])."""
     n, k = shape
     blocks = raw.view(n, k // 32, 34)
-    return blocks[..., 2:].contiguous().view(torch.int8).view(n, k), blocks[..., :2].contiguous().view(
-        torch.float16).view(n, k // 32)
+    return blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1)
 
 
 def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
@@ -147,25 +152,54 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
                 t = _read(f, info).view({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
                                         [info.kind]).view(info.shape)
                 q, d = quantize_q8_0(t)
+                q = q.view(q.shape[0], -1, 32)
             part = name.rsplit(".", 1)[-1]
             if arch == "llama" and part in heads:
                 order = _unpermute_rows(q.shape[0], heads[part])
                 q, d = q[order], d[order]
             return q, d
 
+        def pack_module(names: list[str], rows: int, cols: int) -> torch.Tensor:
+            """The parts' rows one after another in one packed weight [rows, cols]: a Q8_0 part that needs no
+            un-permuting read and packed a chunk of rows at a time (the load holds the packed weights and a few MiB),
+            the others whole; parts that do not start on a 16-row block are concatenated first."""
+            infos_ = [by_hf.get(n + ".weight") for n in names]
+            missing = [n for n, i in zip(names, infos_) if i is None]
+            if missing:
+                raise ValueError(f"{path.name} has no tensor for {missing[0]}.weight")
+            sizes = [i.shape[0] for i in infos_]
+            kp = -(-cols // QK) * QK
+            if sum(sizes) != rows or any(-(-i.shape[1] // QK) * QK != kp for i in infos_):
+                raise ValueError(f"{path.name}: {names} hold [{sum(sizes)}, {infos_[0].shape[1]}] weights, the "
+                                 f"model's linear is [{rows}, {cols}]")
+            if any(sz % COLS for sz in sizes[:-1]):
+                parts = [blocks(n) for n in names]
+                return pack_q8(torch.cat([q for q, _ in parts]), torch.cat([d for _, d in parts]))
+            out = torch.empty(q8_numel(rows, kp), dtype=torch.uint8)
+            row0 = 0
+            for name, info in zip(names, infos_):
+                streamed = info.kind == "Q8_0" and not (arch == "llama" and name.rsplit(".", 1)[-1] in heads)
+                if streamed:
+                    row_bytes = kp // QK * 34
+                    step = max(COLS, READ_CHUNK_BYTES // row_bytes // COLS * COLS)
+                    for r in range(0, info.shape[0], step):
+                        r1 = min(info.shape[0], r + step)
+                        q, d = _q8_blocks(_read(f, info, r * row_bytes, (r1 - r) * row_bytes), (r1 - r, kp))
+                        pack_q8(q, d, out, row0=row0 + r, total_rows=rows)
+                else:
+                    q, d = blocks(name)
+                    pack_q8(q, d, out, row0=row0, total_rows=rows)
+                row0 += info.shape[0]
+            return out
+
         for module, names in targets:
-            parts = [blocks(n) for n in names]
-            q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-            d = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-            if tuple(q.shape) != (module.out_features, -(-module.in_features // 32) * 32):
-                raise ValueError(f"{path.name}: {names} hold {tuple(q.shape)} weights, the model's linear is "
-                                 f"[{module.out_features}, {module.in_features}]")
-            del parts
-            attach_q8_linear(module, pack_q8(q, d))
-            del q, d
+            attach_q8_linear(module, pack_module(names, module.out_features, module.in_features))
+            _trim_heap()  # each module's transient copies back to the OS: the load's peak stays near the weights
         if tied:
             attach_q8_embedding(model.embed_tokens, model.lm_head._small_weight, dtype)
         else:
-            attach_q8_embedding(model.embed_tokens, pack_q8(*blocks("model.embed_tokens")), dtype)
+            emb = model.embed_tokens
+            attach_q8_embedding(emb, pack_module(["model.embed_tokens"], emb.num_embeddings, emb.embedding_dim), dtype)
+            _trim_heap()
     logger.info("loaded %s's Q8_0 weights as int8 (%d linears, not dequantized)", path.name, len(targets))
     return len(targets)

@@ -93,6 +93,23 @@ def test_q8_gemm_is_close_to_the_float_product():
     assert ((out - exact).norm() / exact.norm()).item() < 0.01
 
 
+def test_pack_q8_in_row_ranges_equals_one_pack():
+    """The GGUF loader packs a weight a chunk of rows at a time into one buffer (row0 / total_rows), from strided
+    [N, KB, 32] views of the file's blocks: the bytes equal one pack of the whole weight, ragged last block included."""
+    n, k = 37 + 64, 96
+    gen = torch.Generator().manual_seed(4)
+    q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
+    whole = pack_q8(q, d)
+    blocks = torch.cat([d.view(torch.uint8).view(n, k // QK, 2), q.view(torch.uint8).view(n, k // QK, QK)], dim=-1)
+    qv, dv = blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1)
+    out = torch.zeros_like(whole)
+    for r0, r1 in ((0, 32), (32, 48), (48, n)):
+        pack_q8(qv[r0:r1], dv[r0:r1], out, row0=r0, total_rows=n)
+    assert torch.equal(out, whole)
+    with pytest.raises(ValueError, match="16-row blocks"):
+        pack_q8(qv[8:24], dv[8:24], out, row0=8, total_rows=n)
+
+
 def test_q8_gemm_rejects_a_wrong_weight():
     q, d = quantize_q8_0(torch.randn(48, 64))
     packed = pack_q8(q, d)

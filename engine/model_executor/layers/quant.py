@@ -63,25 +63,35 @@ def q8_numel(n: int, k: int) -> int:
     return -(-n // COLS) * -(-k // QK) * COLS * (QK + 2)
 
 
-def pack_q8(q: torch.Tensor, d: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Q8_0 blocks (q int8 [N, KB * 32], d float16 [N, KB]) in csrc/cpu/q8_gemm.cpp's layout, 1-D uint8:
-    weights [N/16][KB][8][16][4] as q + 128, then scales [N/16][KB][16] float16; N padded to 16 with zeros.
-    Into `out` (q8_numel(N, KB * 32) bytes) when given."""
-    n, kp = q.shape
+def pack_q8(q: torch.Tensor, d: torch.Tensor, out: Optional[torch.Tensor] = None, row0: int = 0,
+            total_rows: Optional[int] = None) -> torch.Tensor:
+    """Q8_0 blocks (q int8 [N, KB * 32] or [N, KB, 32], views of a GGUF's blocks included; d float16 [N, KB]) in
+    csrc/cpu/q8_gemm.cpp's layout, 1-D uint8: weights [N/16][KB][8][16][4] as q + 128, then scales [N/16][KB][16]
+    float16; N padded to 16 with zeros. Into `out` (q8_numel(N, KB * 32) bytes) when given. A chunk of rows at a
+    time, so the temporaries stay small; with row0 / total_rows these N rows are rows [row0, row0 + N) of a
+    [total_rows, K] weight packed into `out` (row0 a multiple of 16; N too, unless they are the last rows)."""
+    if q.dim() == 3:
+        q = q.flatten(1) if q.is_contiguous() else q
+    n = q.shape[0]
+    kp = q.shape[1] * (q.shape[2] if q.dim() == 3 else 1)
     kb = kp // QK
     if q.dtype != torch.int8 or d.dtype != torch.float16 or kp % QK or tuple(d.shape) != (n, kb):
         raise ValueError(f"pack_q8: q int8 [N, KB * 32] and d float16 [N, KB], got {q.dtype} {tuple(q.shape)}, "
                          f"{d.dtype} {tuple(d.shape)}")
-    numel, nb = q8_numel(n, kp), -(-n // COLS)
+    total = n if total_rows is None else total_rows
+    if row0 % COLS or row0 + n > total or (n % COLS and row0 + n != total):
+        raise ValueError(f"pack_q8: rows [{row0}, {row0 + n}) of {total} do not start and end on {COLS}-row blocks")
+    numel, nb = q8_numel(total, kp), -(-total // COLS)
     if out is None:
         out = torch.empty(numel, dtype=torch.uint8)
     elif out.shape != (numel,) or out.dtype != torch.uint8:
         raise ValueError(f"pack_q8: out must be 1-D uint8 of {numel} bytes, got {tuple(out.shape)} {out.dtype}")
     w_bytes = nb * kb * COLS * QK
     weights, scales = out[:w_bytes], out[w_bytes:].view(torch.float16)
-    for r0 in range(0, nb * COLS, PACK_CHUNK_ROWS):
-        r1 = min(nb * COLS, r0 + PACK_CHUNK_ROWS)
-        qs, ds = q[r0:r1], d[r0:r1]
+    end = min(nb * COLS, row0 + -(-n // COLS) * COLS)  # these rows' blocks, padded
+    for r0 in range(row0, end, PACK_CHUNK_ROWS):
+        r1 = min(end, r0 + PACK_CHUNK_ROWS)
+        qs, ds = q[r0 - row0:r1 - row0].reshape(-1, kp), d[r0 - row0:r1 - row0]
         if qs.shape[0] < r1 - r0:  # the last block's missing columns: zero weights, zero scales
             qs = nn.functional.pad(qs, (0, 0, 0, r1 - r0 - qs.shape[0]))
             ds = nn.functional.pad(ds, (0, 0, 0, r1 - r0 - ds.shape[0]))

@@ -169,7 +169,9 @@ class LlamaForCausalLM(nn.Module):
         inv_freq, scale = rope_inv_freq(hf_config, a.head_dim, max_len)
         self.rotary = RotaryEmbedding(inv_freq.to("cpu"), scale, max_len)
         local_vocab = self.vocab_end - self.vocab_start
-        self.embed_tokens = nn.Embedding(local_vocab, a.hidden_size, dtype=dtype)
+        # _weight: no random init (on the meta device torch's normal_ imports torch._dynamo and triton: +100 MiB RSS).
+        self.embed_tokens = nn.Embedding(local_vocab, a.hidden_size, dtype=dtype,
+                                         _weight=torch.empty(local_vocab, a.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype, w, tp) for w in a.layer_windows)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(a.hidden_size, local_vocab, bias=False, dtype=dtype)
