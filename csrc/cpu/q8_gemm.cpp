@@ -27,8 +27,8 @@
 //     otherwise; 4 MiB) and multiplied by torch's GEMM (oneDNN: AMX tiles or AVX-512 BF16 / FMA), several times the
 //     int8 tiles' rate once there are rows enough to reuse each weight.
 //
-// Threads: the 16-column blocks are split over the caller's OpenMP threads, as small_gemm does (csrc/cpu/small_gemm.cpp);
-// the panel path dequantizes on them and leaves the GEMM to torch's own threads.
+// Threads: the 16-column blocks are split over the caller's OpenMP threads, as small_gemm does
+// (csrc/cpu/small_gemm.cpp); the panel path dequantizes on them and leaves the GEMM to torch's own threads.
 #include <omp.h>
 
 #include <algorithm>
@@ -384,7 +384,8 @@ void dequant_panel_avx512(const Stream& st, int64_t b0, int64_t b1, int64_t j0, 
   for (int64_t j = j0; j < j1; ++j) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = st.w + b * st.w_block + j * kBlockBytes;
-      const __m512 ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st.s + b * st.s_block + j * kCols)));
+      const uint16_t* sc = st.s + b * st.s_block + j * kCols;
+      const __m512 ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       const __m512 ds128 = _mm512_mul_ps(ds, _mm512_set1_ps(128.0f));
       for (int g = 0; g < kQ / 4; ++g) {
         const __m512i v = _mm512_loadu_si512(w + g * 64);
@@ -399,7 +400,8 @@ void dequant_panel_avx512(const Stream& st, int64_t b0, int64_t b1, int64_t j0, 
           } else {  // round to nearest even: bits + 0x7fff + (bit 16), the high half (these are finite values)
             const __m512i bits = _mm512_castps_si512(f);
             const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-            const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd), 16);
+            const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+            const __m512i r = _mm512_srli_epi32(biased, 16);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), _mm512_cvtepi32_epi16(r));
           }
         }
@@ -471,7 +473,8 @@ inline void dequant_panel_avx2(const Stream& st, int64_t b0, int64_t b1, int64_t
             const int64_t kk = j * kQ + g * 4 + i;
             if (kk >= k) break;
             const __m256i u = i == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * i), low);
-            _mm256_storeu_ps(dst + kk * ld + (b - b0) * kCols + h * 8, _mm256_fmsub_ps(_mm256_cvtepi32_ps(u), ds, ds128));
+            const __m256 f = _mm256_fmsub_ps(_mm256_cvtepi32_ps(u), ds, ds128);
+            _mm256_storeu_ps(dst + kk * ld + (b - b0) * kCols + h * 8, f);
           }
         }
       }

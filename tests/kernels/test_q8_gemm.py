@@ -20,8 +20,8 @@ ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) 
 # (N, K): whole blocks, N and K ragged, N under one block, SmolLM2's and the 1B model's widths.
 SHAPES = [(64, 64), (37, 70), (5, 32), (200, 1000), (1536, 576), (256, 2048)]
 # The panel path multiplies bfloat16 x with bfloat16 panels into bfloat16 rows where the CPU has bfloat16 dot
-# products.
-BF16_DOT = "avx512_bf16" in open("/proc/cpuinfo").read()
+# products and the kernels are built with AVX-512 (not for an AVX2 CPU: PAGEDSERVE_CPU_ISA=avx2).
+BF16_DOT = BEST >= ops.Q8_GEMM_AVX512 and "avx512_bf16" in open("/proc/cpuinfo").read()
 ROWS = (1, 2, 3, 4, 5, 6, 7, 12, 13, 70, 130)  # one-pass tiles (<= 4), tall tiles whole and partial, two row chunks
 
 
