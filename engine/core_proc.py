@@ -11,14 +11,19 @@ Messages, one msgpack array each (the first item names it):
                     ("stats", stats), ("reset", [dropped request_id, ...], stats), ("problems", [str, ...]),
                     ("fatal", message)
 The core never outlives the frontend: PR_SET_PDEATHSIG (SIGKILL) and a thread watching its parent end it.
+A request whose structured-output grammar the core has not compiled yet is compiled in a thread of the core
+(xgrammar lets go of the GIL) and added when its grammar is ready: a new schema costs its own request's time, not
+every running stream's.
 """
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
 
 import msgspec
 import zmq
@@ -27,6 +32,9 @@ from engine.config import EngineConfig
 from engine.platform.parent import exit_with_parent
 
 logger = logging.getLogger(__name__)
+
+
+_COMPILE_POLL_MS = 10  # idle but compiling: how often the loop looks for a compiled grammar
 
 
 def encoder() -> msgspec.msgpack.Encoder:
@@ -73,6 +81,9 @@ class EngineCoreLoop:
         self.engine = LLMEngine(config)
         self.inbox, self.outbox, self.enc = inbox, outbox, enc
         self.dec = decoder()
+        self._grammar_pool: Optional[ThreadPoolExecutor] = None
+        self._compiling: set[str] = set()  # requests whose grammar compiles in the pool (an abort takes its id out)
+        self._compiled: queue.SimpleQueue = queue.SimpleQueue()  # (the add's arguments, grammar or exception)
         vocab = min(len(self.engine.tokenizer), int(self.engine.hf_config.vocab_size))
         self._send(("ready", msgspec.to_builtins(self.engine.config), vocab))
 
@@ -85,10 +96,14 @@ class EngineCoreLoop:
 
         engine = self.engine
         while True:
+            self._add_compiled()
             busy = engine.has_unfinished_requests()
-            # Idle: wait for the next message; busy: take what has arrived and step.
-            while self.inbox.poll(0 if busy else None):
+            # Idle: wait for the next message (or, while a grammar compiles, look again soon); busy: take what has
+            # arrived and step.
+            while self.inbox.poll(0 if busy else _COMPILE_POLL_MS if self._compiling else None):
                 if not self._handle(self.dec.decode(self.inbox.recv(copy=False))):
+                    if self._grammar_pool is not None:
+                        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
                     engine.shutdown(graceful=True)
                     return 0
                 busy = engine.has_unfinished_requests()
@@ -106,6 +121,36 @@ class EngineCoreLoop:
                 return 1
             self._send(("out", outputs, engine.get_stats()))
 
+    def _add(self, args: tuple, grammar: Any) -> None:
+        request_id = args[0]
+        try:
+            self.engine.add_request(*args, grammar=grammar)
+        except Exception as exc:  # this request alone (the frontend checked its input already)
+            self.engine.abort_request(request_id)  # whatever of it got into a queue
+            self._send(("refused", request_id, type(exc).__name__, str(exc)))
+
+    def _compile(self, args: tuple) -> None:  # in the grammar thread
+        try:
+            grammar = self.engine.structured.compile(args[3].guided)
+        except Exception as exc:  # GrammarError: refused as add_request would refuse it
+            grammar = exc
+        self._compiled.put((args, grammar))
+
+    def _add_compiled(self) -> None:
+        """Add the requests whose grammar is ready (not those aborted while it compiled)."""
+        while True:
+            try:
+                args, grammar = self._compiled.get_nowait()
+            except queue.Empty:
+                return
+            if args[0] not in self._compiling:
+                continue
+            self._compiling.discard(args[0])
+            if isinstance(grammar, Exception):
+                self._send(("refused", args[0], type(grammar).__name__, str(grammar)))
+            else:
+                self._add(args, grammar)
+
     def _handle(self, msg: list) -> bool:
         """Apply one message; False for "stop"."""
         from engine.sampling_params import SamplingParams
@@ -114,17 +159,23 @@ class EngineCoreLoop:
         engine = self.engine
         if kind == "add":
             _, request_id, prompt, token_ids, params, arrival, priority = msg
-            try:
-                engine.add_request(request_id, prompt, token_ids, msgspec.convert(params, SamplingParams),
-                                   arrival, priority)
-            except Exception as exc:  # this request alone (the frontend checked its input already)
-                engine.abort_request(request_id)  # whatever of it got into a queue
-                self._send(("refused", request_id, type(exc).__name__, str(exc)))
+            args = (request_id, prompt, token_ids, msgspec.convert(params, SamplingParams), arrival, priority)
+            spec = args[3].guided
+            if spec is not None and engine.structured.cached(spec) is None:
+                if self._grammar_pool is None:
+                    self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar")
+                self._compiling.add(request_id)
+                self._grammar_pool.submit(self._compile, args)
+            else:
+                self._add(args, None)
         elif kind == "abort":
+            self._compiling.difference_update(msg[1])
             engine.abort_request(msg[1])
             self._send(("stats", engine.get_stats()))  # the freed blocks show in /metrics without a step
         elif kind == "reset":
-            self._send(("reset", engine.reset(), engine.get_stats()))
+            dropped = engine.reset() + sorted(self._compiling)
+            self._compiling.clear()
+            self._send(("reset", dropped, engine.get_stats()))
         elif kind == "stats":
             self._send(("stats", engine.get_stats()))
         elif kind == "problems":
