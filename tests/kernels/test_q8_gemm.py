@@ -82,7 +82,7 @@ def test_q8_gemm_same_bits_on_one_and_two_threads(isa):
 
 
 def test_q8_gemm_is_close_to_the_float_product():
-    """What a user sees: int8 weights (and, on VNNI, int8 activations) move a linear's output by well under 1 %
+    """What a user sees: int8 weights (and, on VNNI, x in two int8 parts) move a linear's output by well under 1 %
     of its scale for Gaussian weights and inputs."""
     n, k = 512, 1024
     gen = torch.Generator().manual_seed(11)
