@@ -13,8 +13,8 @@
 // Paths, picked at run time (or forced by `isa`, for tests):
 //   kAvx512 (AVX-512 without VNNI): x stays float32, each weight byte is widened to float32 in registers and scaled
 //     by its column's d, 16 columns a zmm (a decode step is bound by reading the weights, not by this arithmetic).
-//   kVnni (AVX-512 VNNI; the default, except bfloat16 panels from kPanelRowsVnni rows): each row of x is split per
-//     32-block into two int8 parts, x = dx * (xh + xl / 254) with dx = amax / 127, xh = round(x / dx) and
+//   kVnni (AVX-512 VNNI; the default, but for AMX's bfloat16 panels from kPanelRowsVnni rows): each row of x is
+//     split per 32-block into two int8 parts, x = dx * (xh + xl / 254) with dx = amax / 127, xh = round(x / dx) and
 //     xl = round(254 (x / dx - xh)), and vpdpbusd sums 4 products (q + 128) * xh (and * xl) a lane. The offset is
 //     taken off per block with the row's 128 * sum(xh) (and xl), so both sums are exact in int32; then
 //     acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest value,
@@ -24,8 +24,8 @@
 //     registers and scaled by its column's d (q + 128 - 128 in one fmsub), then multiplied with x in float32.
 //   kPanel (a prefill, a wide decode batch: use_panels): the weights are dequantized a panel of columns at a time
 //     into W^T [K, P] (bfloat16 where the CPU multiplies bfloat16 natively and x and out are bfloat16, float32
-//     otherwise; 4 MiB) and multiplied by torch's GEMM (oneDNN: AMX tiles or AVX-512 BF16 / FMA), several times the
-//     int8 tiles' rate once there are rows enough to reuse each weight.
+//     otherwise; 4 MiB) and multiplied by torch's GEMM (oneDNN: AMX tiles or AVX-512 BF16 / FMA). At 128 bfloat16
+//     rows on an AMX Xeon: twice the VNNI tiles' rate, four times the widening tiles'.
 //
 // Threads: the 16-column blocks are split over the caller's OpenMP threads, as small_gemm does
 // (csrc/cpu/small_gemm.cpp); the panel path dequantizes on them and leaves the GEMM to torch's own threads.
@@ -91,6 +91,16 @@ bool cpu_has_bf16_dot() {
 #endif
 }
 
+// AMX tiles for bfloat16 (Sapphire Rapids on): where oneDNN's bfloat16 GEMM outruns the int8 tiles by far.
+bool cpu_has_amx_bf16() {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  static const bool has = __builtin_cpu_supports("amx-bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 // The panel's dtype: bfloat16 where x and out are bfloat16 and the CPU multiplies bfloat16 natively, else float32
 // (a float32 row, the head's float32 logits included, keeps float32 products).
 at::ScalarType panel_dtype(const at::Tensor& x, const at::Tensor& out) {
@@ -98,8 +108,9 @@ at::ScalarType panel_dtype(const at::Tensor& x, const at::Tensor& out) {
                                                                                                      : at::kFloat;
 }
 
-// Whether m rows go through the panels (measured: docs/benchmarks.md, "int8 prefill through dequantized panels"). On
-// a VNNI CPU the int8 tiles beat float32 panels at every row count and bfloat16 panels below kPanelRowsVnni rows;
+// Whether m rows go through the panels (measured on an AMX Xeon: docs/benchmarks.md, "int8 weights against
+// llama.cpp's Q8_0"). On a VNNI CPU the int8 tiles beat float32 panels at every row count and AMX's bfloat16 panels
+// below kPanelRowsVnni rows (without AMX, oneDNN's bfloat16 GEMM is not measured against them: the tiles serve);
 // the widening tiles lose to either panel from kPanelRowsWiden rows. PAGEDSERVE_Q8_PANEL_ROWS=R moves the threshold
 // to R rows for every dtype (0: never), for measuring.
 bool use_panels(int64_t m, at::ScalarType pt) {
@@ -110,7 +121,7 @@ bool use_panels(int64_t m, at::ScalarType pt) {
     return r <= 0 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(r);
   }();
   if (forced >= 0) return m >= forced;
-  if (cpu_has_vnni()) return pt == at::kBFloat16 && m >= kPanelRowsVnni;
+  if (cpu_has_vnni()) return pt == at::kBFloat16 && cpu_has_amx_bf16() && m >= kPanelRowsVnni;
   return m >= kPanelRowsWiden;
 }
 
