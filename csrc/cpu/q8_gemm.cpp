@@ -1,10 +1,11 @@
 // int8 weights for CPU linears: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in llama.cpp's Q8_0 form.
 //
 // Q8_0: each run of 32 weights along K (a "block") is 32 int8 values q and one float16 scale d, w = d * q
-// (engine/model_executor/layers/quant.py quantizes a float weight so, or takes a GGUF Q8_0 tensor's blocks as they are). At a few rows a
-// linear is bound by reading W once: 34 bytes per 32 weights against bfloat16's 64 (issue 42).
+// (engine/model_executor/layers/quant.py quantizes a float weight so, or takes a GGUF Q8_0 tensor's blocks as they
+// are). At a few rows a linear is bound by reading W once: 34 bytes per 32 weights against bfloat16's 64 (issue 42).
 //
-// Packed layout (engine/model_executor/layers/quant.py pack_q8), one uint8 tensor, N padded to 16 columns and K to 32 with zeros:
+// Packed layout (engine/model_executor/layers/quant.py pack_q8), one uint8 tensor, N padded to 16 columns and K to
+// 32 with zeros:
 //
 //   weights: [N/16][K/32][8][16][4]  uint8  q + 128 (offset binary) of 16 columns side by side, 4 k of a column in
 //                                           each 32-bit lane: vpdpbusd's unsigned operand
