@@ -159,9 +159,14 @@ class EngineCoreLoop:
         engine = self.engine
         if kind == "add":
             _, request_id, prompt, token_ids, params, arrival, priority = msg
-            args = (request_id, prompt, token_ids, msgspec.convert(params, SamplingParams), arrival, priority)
-            spec = args[3].guided
-            if spec is not None and engine.structured.cached(spec) is None:
+            try:
+                args = (request_id, prompt, token_ids, msgspec.convert(params, SamplingParams), arrival, priority)
+                spec = args[3].guided
+                compile_first = spec is not None and engine.structured.cached(spec) is None
+            except Exception as exc:  # this request alone (the frontend checked its input already)
+                self._send(("refused", request_id, type(exc).__name__, str(exc)))
+                return True
+            if compile_first:
                 if self._grammar_pool is None:
                     self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar")
                 self._compiling.add(request_id)
