@@ -5,15 +5,21 @@ Which files: a Llama-family GGUF (architecture llama or qwen2) whose every linea
 when it has one) is Q8_0, on CPU, one rank; the token embedding too when it is Q8_0 (else it is quantized at load).
 Any other GGUF is dequantized to float by transformers, as before (engine/model_executor/loader.py).
 
-The tensors are read with plain file reads, one at a time, not through a memory map: mapped pages once read stay
-in the process's resident set until the map closes, the whole file at the load's peak.
+The linears are read with plain file reads, one at a time, not through a memory map: they are repacked into
+csrc/cpu/q8_gemm.cpp's layout, and mapped pages once read stay in the process's resident set until the map closes,
+the whole file at the load's peak. An untied Q8_0 token embedding is the exception: it is used as the file lays it out
+(a step gathers a few rows), so it stays in a read-only map of the file and only the pages of the tokens looked up
+become resident, file-backed, as llama.cpp's mmap (its ~100 MiB at 1B shapes never packed into anonymous memory).
+The file must then stay in place, unchanged, while it is served (as for llama.cpp).
 llama.cpp's converter reorders the rows of q_proj and k_proj for its RoPE (per head, the two halves interleaved);
 a row of Q8_0 holds its own blocks, so the rows are put back in HF's order exactly (transformers' reverse_permute).
 """
 from __future__ import annotations
 
 import logging
+import mmap
 import re
+import warnings
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
 
@@ -21,7 +27,8 @@ import torch
 from torch import nn
 
 from engine.model_executor.layers.cpu_linear import _trim_heap
-from engine.model_executor.layers.quant import (COLS, QK, attach_q8_embedding, attach_q8_linear, pack_q8, q8_numel,
+from engine.model_executor.layers.quant import (COLS, QK, Q8_0_BLOCK_BYTES, attach_q8_embedding,
+                                                attach_q8_file_embedding, attach_q8_linear, pack_q8, q8_numel,
                                                 quantize_q8_0)
 
 logger = logging.getLogger(__name__)
@@ -88,6 +95,24 @@ def _read(f, info: _Info, start: int = 0, nbytes: Optional[int] = None) -> torch
     return buf
 
 
+def _map_q8(path: Path, info: _Info) -> torch.Tensor:
+    """A Q8_0 tensor's bytes, uint8 [rows, K / 32 * 34], through a read-only map of the file: nothing is read until a
+    row is, and then only its pages (no read-ahead around them)."""
+    rows, k = info.shape
+    row_bytes = -(-k // QK) * Q8_0_BLOCK_BYTES
+    if info.nbytes != rows * row_bytes:
+        raise ValueError(f"GGUF tensor {info.name}: {info.nbytes} bytes for Q8_0 [{rows}, {k}]")
+    start = info.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, access=mmap.ACCESS_READ, offset=start)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    with warnings.catch_warnings():  # "not writable": the rows are only ever gathered (copied) out of it
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the map open as long as it lives
+    return data[info.offset - start:].view(rows, row_bytes)
+
+
 def _q8_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's bytes (34 a block: float16 d, 32 int8 q) as views of them, no copy: (q int8 [N, K / 32, 32],
     d float16 [N, K / 32])."""
@@ -122,7 +147,8 @@ def _float_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iter
 def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) -> int:
     """Load a Q8_0 GGUF (is_q8_gguf) into `model` (a LlamaForCausalLM whose params are allocated, not loaded): the
     norms and biases as floats through model.load_weights, every linear and the token embedding as int8 blocks
-    (quant.attach_q8_linear / attach_q8_embedding), their float weights released. Returns the int8 linears."""
+    (quant.attach_q8_linear / attach_q8_embedding; an untied Q8_0 one read through a map of the file,
+    attach_q8_file_embedding), their float weights released. Returns the int8 linears."""
     arch, infos = _infos(path)
     by_hf = {hf_name(i.name): i for i in infos}
     layers = model.layers
@@ -197,7 +223,9 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
             _trim_heap()  # each module's transient copies back to the OS: the load's peak stays near the weights
         if tied:
             attach_q8_embedding(model.embed_tokens, model.lm_head._small_weight, dtype)
-        else:
+        elif by_hf.get("model.embed_tokens.weight") is not None and by_hf["model.embed_tokens.weight"].kind == "Q8_0":
+            attach_q8_file_embedding(model.embed_tokens, _map_q8(path, by_hf["model.embed_tokens.weight"]), dtype)
+        else:  # a float token embedding: quantized into anonymous memory (pack_module)
             emb = model.embed_tokens
             attach_q8_embedding(emb, pack_module(["model.embed_tokens"], emb.num_embeddings, emb.embedding_dim), dtype)
             _trim_heap()

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import ops
-from engine.model_executor.layers.quant import (QK, dequantize_q8_0, pack_q8, q8_numel, q8_rows, quantize_activations,
-                                                quantize_q8_0, ref_q8_gemm)
+from engine.model_executor.layers.quant import (QK, dequantize_q8_0, pack_q8, q8_file_rows, q8_numel, q8_rows,
+                                                quantize_activations, quantize_q8_0, ref_q8_gemm)
 from kernels.conftest import torch_threads
 
 BEST = ops.q8_gemm_isa()
@@ -141,6 +141,18 @@ def test_pack_q8_round_trips_rows():
     assert packed.numel() == q8_numel(n, k) == 3 * 3 * 16 * (QK + 2)
     ids = torch.tensor([[0, 44], [16, 17]])
     torch.testing.assert_close(q8_rows(packed, ids, n, k), dequantize_q8_0(q, d, k)[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_file_rows_equal_the_packed_rows(dtype):
+    """Rows gathered from Q8_0 blocks as a GGUF file lays them out (float16 d, 32 int8 q) equal those of the packed
+    copy, bit for bit (the mapped token embedding and the packed one give a model the same numbers)."""
+    n, k = 45, 96
+    q, d = quantize_q8_0(torch.randn(n, k, generator=torch.Generator().manual_seed(3)))
+    blocks = torch.cat([d.view(n, 3, 1).view(torch.uint8), q.view(n, 3, 32).view(torch.uint8)], -1).view(n, 3 * 34)
+    ids = torch.tensor([[0, 44, 7], [16, 17, 16]])
+    torch.testing.assert_close(q8_file_rows(blocks, ids, k, dtype), q8_rows(pack_q8(q, d), ids, n, k, dtype),
+                               rtol=0, atol=0)
 
 
 def test_q8_gemm_default_tracks_the_float_product():

@@ -129,6 +129,35 @@ def test_q8_0_gguf_loads_natively_with_the_blocks_int8_quantization_makes(tiny_l
     torch.testing.assert_close(native.embed_tokens(ids), quantized.embed_tokens(ids), rtol=0, atol=0)
 
 
+def _mapped_files(address: int) -> list[str]:
+    """The files /proc/self/maps names for the mappings holding `address` ([] for anonymous memory)."""
+    files = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        lo, hi = (int(a, 16) for a in span.split("-"))
+        if lo <= address < hi and len(rest) >= 5:
+            files.append(rest[4])
+    return files
+
+
+def test_q8_0_gguf_untied_embedding_is_read_through_a_map_of_the_file(q8_gguf):
+    """An untied Q8_0 token embedding stays in the file (a read-only map, as llama.cpp's mmap), not packed into
+    anonymous memory: the rows are the file's blocks dequantized, and ids out of range are refused."""
+    import gguf
+
+    model = _load(model=str(q8_gguf))
+    emb = model.embed_tokens
+    assert _mapped_files(emb._q8_file_blocks.data_ptr()) == [str(q8_gguf)]
+    t = next(t for t in gguf.GGUFReader(str(q8_gguf)).tensors if t.name == "token_embd.weight")
+    raw = torch.from_numpy(np.array(t.data)).view(emb.num_embeddings, -1, 34)
+    q, d = raw[..., 2:].contiguous().view(torch.int8).flatten(1), raw[..., :2].contiguous().view(torch.float16)[..., 0]
+    ids = torch.tensor([[0, 3], [49151, 17]])
+    torch.testing.assert_close(emb(ids), dequantize_q8_0(q, d)[ids], rtol=0, atol=0)
+    for bad in ([0, -1], [49152]):
+        with pytest.raises(IndexError):
+            emb(torch.tensor(bad))
+
+
 def test_int8_embedding_rows_are_the_dequantized_blocks(tiny_llama_dir):
     from safetensors.torch import load_file
 

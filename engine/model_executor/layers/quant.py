@@ -116,6 +116,22 @@ def q8_rows(packed: torch.Tensor, ids: torch.Tensor, n: int, k: int, dtype: torc
     return rows.flatten(-2)[..., :k].to(dtype)
 
 
+Q8_0_BLOCK_BYTES = QK + 2  # a Q8_0 block as GGUF files hold it: float16 d, then 32 int8 q
+
+
+def q8_file_rows(blocks: torch.Tensor, ids: torch.Tensor, k: int, dtype: torch.dtype = torch.float32
+                 ) -> torch.Tensor:
+    """Rows `ids` of a Q8_0 tensor as the GGUF file lays it out (blocks: uint8 [n, KB * 34], each block float16 d
+    then 32 int8 q; a read-only map of the file), dequantized as q8_rows does: [*ids.shape, k] in dtype. Only these
+    rows' bytes are read."""
+    kb = blocks.shape[1] // Q8_0_BLOCK_BYTES
+    raw = blocks[ids.reshape(-1)].view(-1, kb, Q8_0_BLOCK_BYTES)  # the rows gathered (copied) out of the map
+    q = raw[..., 2:].view(torch.int8)  # [m, kb, 32]
+    d = raw[..., :2].view(torch.float16)  # [m, kb, 1]
+    rows = q.float() * d.float()
+    return rows.flatten(-2)[..., :k].to(dtype).view(*ids.shape, k)
+
+
 LOW_STEPS = 254.0  # the low part's steps per step of the high one (csrc/cpu/q8_gemm.cpp kLowSteps)
 
 
@@ -178,6 +194,12 @@ def _q8_embedding_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.
     return q8_rows(self._q8_weight, input_ids, self.num_embeddings, self.embedding_dim, self._q8_dtype)
 
 
+def _q8_file_embedding_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
+        raise IndexError(f"token id out of range [0, {self.num_embeddings}) for an int8 embedding")
+    return q8_file_rows(self._q8_file_blocks, input_ids, self.embedding_dim, self._q8_dtype)
+
+
 def attach_q8_linear(linear: nn.Linear, packed: torch.Tensor) -> None:
     """linear now multiplies with its pack_q8 weight (every row count), its float weight released. The packed copy
     sits where engine/model_executor/layers/cpu_linear.py keeps a small-row copy, so the compiled decode step reads it."""
@@ -195,6 +217,20 @@ def attach_q8_embedding(emb: nn.Embedding, packed: torch.Tensor, dtype: torch.dt
     emb._q8_dtype = dtype
     emb.weight = nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
     emb.forward = types.MethodType(_q8_embedding_forward, emb)
+
+
+def attach_q8_file_embedding(emb: nn.Embedding, blocks: torch.Tensor, dtype: torch.dtype) -> None:
+    """emb gathers its rows from a GGUF's Q8_0 token embedding as the file holds it (blocks: uint8
+    [num_embeddings, embedding_dim / 32 * 34], a read-only map of the file: engine/model_executor/gguf_q8.py),
+    dequantized to dtype."""
+    if tuple(blocks.shape) != (emb.num_embeddings, -(-emb.embedding_dim // QK) * Q8_0_BLOCK_BYTES):
+        raise ValueError(f"a Q8_0 embedding of {emb.num_embeddings} x {emb.embedding_dim} needs blocks "
+                         f"[{emb.num_embeddings}, {-(-emb.embedding_dim // QK) * Q8_0_BLOCK_BYTES}], got "
+                         f"{tuple(blocks.shape)}")
+    emb._q8_file_blocks = blocks
+    emb._q8_dtype = dtype
+    emb.weight = nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
+    emb.forward = types.MethodType(_q8_file_embedding_forward, emb)
 
 
 @torch.no_grad()
