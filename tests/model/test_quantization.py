@@ -158,6 +158,22 @@ def test_q8_0_gguf_untied_embedding_is_read_through_a_map_of_the_file(q8_gguf):
             emb(torch.tensor(bad))
 
 
+def test_gguf_header_reader_gives_gguf_py_tensor_infos(q8_gguf):
+    """engine/model_executor/gguf_q8.py's own header reader (metadata skipped) gives the architecture and tensor
+    infos gguf.GGUFReader gives, on the Q8_0 file and on the default model's Q4_1 one."""
+    import gguf
+
+    from engine.model_executor.gguf_q8 import _Info, _read_header
+    from engine.model_executor.loader import default_gguf_path
+
+    for path in (q8_gguf, default_gguf_path()):
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        expected = [_Info(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), int(t.data_offset),
+                          int(t.n_bytes)) for t in reader.tensors]
+        assert _read_header(path) == (bytes(field.parts[field.data[0]]).decode(), expected), path.name
+
+
 def test_int8_embedding_rows_are_the_dequantized_blocks(tiny_llama_dir):
     from safetensors.torch import load_file
 
