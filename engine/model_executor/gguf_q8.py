@@ -42,7 +42,7 @@ _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "ffn_down": "mlp.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-READ_CHUNK_BYTES = 16 << 20  # a Q8_0 tensor is read and packed this many bytes at a time
+READ_CHUNK_BYTES = 4 << 20  # a Q8_0 tensor is read and packed this many bytes at a time, into one buffer
 _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -172,10 +172,12 @@ def is_q8_gguf(path: Path) -> bool:
     return arch in ARCHS and bool(linears) and all(i.kind == "Q8_0" for i in linears)
 
 
-def _read(f, info: _Info, start: int = 0, nbytes: Optional[int] = None) -> torch.Tensor:
-    """Bytes [start, start + nbytes) of a tensor's data (all of it by default), read, not mapped."""
+def _read(f, info: _Info, start: int = 0, nbytes: Optional[int] = None, buf: Optional[torch.Tensor] = None
+          ) -> torch.Tensor:
+    """Bytes [start, start + nbytes) of a tensor's data (all of it by default), read, not mapped; into the front of
+    `buf` (uint8) when given."""
     nbytes = info.nbytes - start if nbytes is None else nbytes
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf[:nbytes]
     f.seek(info.offset + start)
     if f.readinto(memoryview(buf.numpy())) != nbytes:
         raise ValueError(f"GGUF tensor {info.name}: the file ends before its {info.nbytes} bytes")
@@ -295,9 +297,10 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
                 if streamed:
                     row_bytes = kp // QK * 34
                     step = max(COLS, READ_CHUNK_BYTES // row_bytes // COLS * COLS)
+                    buf = torch.empty(min(step, info.shape[0]) * row_bytes, dtype=torch.uint8)  # one, reused
                     for r in range(0, info.shape[0], step):
                         r1 = min(info.shape[0], r + step)
-                        q, d = _q8_blocks(_read(f, info, r * row_bytes, (r1 - r) * row_bytes), (r1 - r, kp))
+                        q, d = _q8_blocks(_read(f, info, r * row_bytes, (r1 - r) * row_bytes, buf), (r1 - r, kp))
                         pack_q8(q, d, out, row0=row0 + r, total_rows=rows)
                 else:
                     q, d = blocks(name)

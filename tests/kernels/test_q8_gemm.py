@@ -4,6 +4,8 @@ multiple of 16, K not of 32), every tile height, with and without bias, strided 
 quantize_q8_0 writes the bytes llama.cpp's gguf-py writes for a Q8_0 tensor."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -141,6 +143,26 @@ def test_pack_q8_round_trips_rows():
     assert packed.numel() == q8_numel(n, k) == 3 * 3 * 16 * (QK + 2)
     ids = torch.tensor([[0, 44], [16, 17]])
     torch.testing.assert_close(q8_rows(packed, ids, n, k), dequantize_q8_0(q, d, k)[ids], rtol=0, atol=0)
+
+
+def _peak_rss_mib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) >> 10
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's resettable peak RSS")
+def test_pack_q8_temporaries_stay_small():
+    """Packing a down_proj-wide weight (K 8192) adds little to the process's peak beyond its output: the load of a
+    1B Q8_0 GGUF peaks at the end, packing the head, so every packing temporary is on top of the whole model."""
+    n, k = 2048, 8192
+    q = torch.ones(n, k, dtype=torch.int8)  # 16 MiB
+    d = torch.ones(n, k // QK, dtype=torch.float16)
+    out = torch.ones(q8_numel(n, k), dtype=torch.uint8)  # touched: resident before the peak is reset
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _peak_rss_mib()
+    pack_q8(q, d, out)
+    assert _peak_rss_mib() - before <= 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 QK = 32  # weights per Q8_0 block (along K)
 COLS = 16  # output columns per packed block (csrc/cpu/q8_gemm.cpp)
 QUANTIZATIONS = ("int8",)  # --quantization choices
-PACK_CHUNK_ROWS = 1024  # rows of W packed at a time: the temporaries stay a few MiB however large W is
+PACK_CHUNK_BYTES = 1 << 20  # int8 weights packed at a time (whole 16-row blocks): each temporary stays ~1 MiB
 
 
 def q8_available() -> bool:
@@ -89,8 +89,9 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor, out: Optional[torch.Tensor] = None
     w_bytes = nb * kb * COLS * QK
     weights, scales = out[:w_bytes], out[w_bytes:].view(torch.float16)
     end = min(nb * COLS, row0 + -(-n // COLS) * COLS)  # these rows' blocks, padded
-    for r0 in range(row0, end, PACK_CHUNK_ROWS):
-        r1 = min(end, r0 + PACK_CHUNK_ROWS)
+    chunk = max(COLS, PACK_CHUNK_BYTES // kp // COLS * COLS)  # rows; a down_proj's 1024 rows were 3 x 8 MiB
+    for r0 in range(row0, end, chunk):
+        r1 = min(end, r0 + chunk)
         qs, ds = q[r0 - row0:r1 - row0].reshape(-1, kp), d[r0 - row0:r1 - row0]
         if qs.shape[0] < r1 - r0:  # the last block's missing columns: zero weights, zero scales
             qs = nn.functional.pad(qs, (0, 0, 0, r1 - r0 - qs.shape[0]))
