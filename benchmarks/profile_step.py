@@ -112,6 +112,9 @@ def instrument(engine, timer: StageTimer) -> None:
     timer.wrap(engine.model_runner, "_split_decode", "forward")  # a decode batch split across the cores
     timer.wrap(engine.model_runner.model, "forward", "forward")
     timer.wrap(engine.model_runner.model, "compute_logits", "forward")
+    # A greedy batch's head reduces its logits to argmax / logsumexp as it computes them (compute_greedy): that
+    # reduction, the sampling stage's work before, is counted in the forward.
+    timer.wrap(engine.model_runner.model, "compute_greedy", "forward")
     timer.wrap(engine.sampler, "sample", "sampling")
     timer.wrap(engine.sampler, "sample_rows", "sampling")
     timer.wrap(engine.output_processor, "process", "output processing")

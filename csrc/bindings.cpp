@@ -179,6 +179,13 @@ bool small_gemm_glu(torch::Tensor& out, const torch::Tensor& x, const torch::Ten
   return pagedserve::cpu::small_gemm_glu(out, x, packed, bias, isa);
 }
 
+void small_gemm_argmax_lse(const torch::Tensor& x, const torch::Tensor& packed,
+                           const c10::optional<torch::Tensor>& bias, int64_t n, torch::Tensor& argmax,
+                           torch::Tensor& max, torch::Tensor& logsumexp, int64_t isa) {
+  cpu_only({&x, &packed, &argmax, &max, &logsumexp}, "small_gemm_argmax_lse");
+  pagedserve::cpu::small_gemm_argmax_lse(x, packed, bias, n, argmax, max, logsumexp, isa);
+}
+
 void q8_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& packed,
              const c10::optional<torch::Tensor>& bias, int64_t isa) {
   cpu_only({&out, &x, &packed}, "q8_gemm");
@@ -245,6 +252,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_glu", &small_gemm_glu, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"),
         py::arg("bias"), py::arg("isa") = 0,
         "out = silu(gate) * up of x @ W^T (+ bias) = [gate | up], fused; false when this path has no fused tiles");
+  m.def("small_gemm_argmax_lse", &small_gemm_argmax_lse, release_gil(), py::arg("x"), py::arg("packed"),
+        py::arg("bias"), py::arg("n"), py::arg("argmax"), py::arg("max"), py::arg("logsumexp"), py::arg("isa") = 0,
+        "per row of x @ W^T (+ bias): argmax, max and logsumexp, the outputs never written (a greedy head)");
   m.def("llama_decode_layers", &llama_decode_layers, release_gil(),
         "every decoder layer of a Llama-family CPU step in one call (the eager layers' arithmetic in their order; "
         "gate/up and its activation in one small_gemm_glu where the path has fused tiles)");

@@ -127,6 +127,20 @@ bool small_gemm_glu(
     const c10::optional<at::Tensor>& bias,     // [2N] or None
     int64_t isa);                              // as small_gemm's
 
+// A head's greedy statistics without its logits: per row of x @ W^T (+ bias), W packed as small_gemm's with n
+// output columns, the first index of the largest output, that output, and log(sum(exp(outputs))), the same values
+// as small_gemm into [M, n] float32 then argmax_logsumexp (up to the order of the sum). The outputs are reduced
+// a cache-sized panel of columns at a time and never written to memory.
+void small_gemm_argmax_lse(
+    const at::Tensor& x,                       // [M, K] float32 or bfloat16, rows contiguous
+    const at::Tensor& packed,                  // pack_small_rows(W [n, K]), x's dtype
+    const c10::optional<at::Tensor>& bias,     // [n] or None
+    int64_t n,                                 // W's rows (the vocabulary)
+    at::Tensor& argmax,                        // [M] int64
+    at::Tensor& max,                           // [M] float32
+    at::Tensor& logsumexp,                     // [M] float32
+    int64_t isa);                              // as small_gemm's
+
 // The best small_gemm path this build has (the isa codes above), 0 when none.
 int64_t small_gemm_isa();
 

@@ -212,16 +212,18 @@ class LLMEngine:
         else:  # a prompt chunk short of the prompt's end (chunked prefill) samples nothing and reports nothing yet
             rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in out.scheduled if sg.do_sample]
             self._prompt_tokens_total += sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
+        # One pass when every row draws one plain token; the per-sample path otherwise (and under fault injection,
+        # whose stages name requests one at a time, or a sampler stood in by a plain callable). A steady decode
+        # whose rows are all plain greedy needs no logits: the head's argmax and logsumexp (GreedyStats) do.
+        sample_rows = getattr(self.sampler, "sample_rows", None)
+        fast_path = sample_rows is not None and self.fault_injector is None
+        greedy = fast_path and batch is not None and batch.params.all_greedy
         logits, prompt_logits = self.model_runner.execute(out, self.cache_engine.device_cache,
-                                                          at=lambda stage: self._at(stage, scheduled))
+                                                          at=lambda stage: self._at(stage, scheduled), greedy=greedy)
         add_prompt_logprobs(out, prompt_logits)
         self.scheduler.update_computed(out)
         self._at("sampler", scheduled)
-        # One pass when every row draws one plain token; the per-sample path otherwise (and under fault injection,
-        # whose stages name requests one at a time, or a sampler stood in by a plain callable).
-        sample_rows = getattr(self.sampler, "sample_rows", None)
-        fast = (sample_rows(logits, rows, batch.params if batch is not None else None)
-                if sample_rows is not None and self.fault_injector is None else None)
+        fast = sample_rows(logits, rows, batch.params if batch is not None else None) if fast_path else None
         if fast is not None:
             return self._process_rows(out, rows, fast, batch, outputs)
         self._batch = None  # (its stop data counts the fast path's steps)

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "../ops.h"
+#include "row_stats.h"
 #include "simd.h"
 #include "vec_utils.h"
 
@@ -18,59 +19,6 @@ namespace pagedserve {
 namespace cpu {
 
 namespace {
-
-// The first index of the row's largest value (torch.argmax's tie rule), and that value.
-template <int N, typename T>
-inline int64_t row_argmax(const T* x, int64_t n, float* best_value) {
-  using I = typename simd::VecTypes<N>::i32;
-  simd::Vec<N> best = simd::splat<N>(-std::numeric_limits<float>::infinity());
-  I best_idx = {}, idx = {};
-  for (int i = 0; i < N; ++i) idx[i] = i;
-  int64_t i = 0;
-  if (n >= N) {
-    best = simd::load<N>(x);
-    best_idx = idx;
-    for (i = N; i + N <= n; i += N) {
-      idx += N;
-      const simd::Vec<N> v = simd::load<N>(x + i);
-      const auto greater = v > best;  // strict: each lane keeps its first maximum
-      best = greater ? v : best;
-      best_idx = greater ? idx : best_idx;
-    }
-  }
-  // Lanes -> the largest value, and among the lanes holding it the smallest index.
-  float m = -std::numeric_limits<float>::infinity();
-  int64_t arg = 0;
-  if (n >= N) {
-    m = best[0], arg = best_idx[0];
-    for (int l = 1; l < N; ++l) {
-      if (best[l] > m || (best[l] == m && best_idx[l] < arg)) m = best[l], arg = best_idx[l];
-    }
-  }
-  for (; i < n; ++i) {  // the tail, past every vector lane's indices
-    const float v = static_cast<float>(x[i]);
-    if (v > m || (i == 0 && n < N)) m = v, arg = i;
-  }
-  *best_value = m;
-  return arg;
-}
-
-// log(sum(exp(x - m))) + m for the row's maximum m.
-template <int N, typename T>
-inline float row_logsumexp(const T* x, int64_t n, float m) {
-  if (m == -std::numeric_limits<float>::infinity()) return m;  // every logit masked
-  const simd::Vec<N> mv = simd::splat<N>(m);
-  simd::Vec<N> s0 = {}, s1 = {};
-  int64_t i = 0;
-  for (; i + 2 * N <= n; i += 2 * N) {
-    s0 += simd::exp<N>(simd::load<N>(x + i) - mv);
-    s1 += simd::exp<N>(simd::load<N>(x + i + N) - mv);
-  }
-  for (; i + N <= n; i += N) s0 += simd::exp<N>(simd::load<N>(x + i) - mv);
-  float sum = simd::reduce_add<N>(s0 + s1);
-  for (; i < n; ++i) sum += std::exp(static_cast<float>(x[i]) - m);
-  return m + std::log(sum);
-}
 
 template <typename T>
 void impl(const at::Tensor& logits, at::Tensor& argmax, at::Tensor& logsumexp) {
@@ -86,7 +34,7 @@ void impl(const at::Tensor& logits, at::Tensor& argmax, at::Tensor& logsumexp) {
     const T* row = x + r * stride;
     float m;
     am[r] = row_argmax<N>(row, vocab, &m);
-    lse[r] = row_logsumexp<N>(row, vocab, m);
+    lse[r] = m == -std::numeric_limits<float>::infinity() ? m : m + std::log(row_sumexp<N>(row, vocab, m));
   }
 }
 

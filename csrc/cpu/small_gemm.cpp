@@ -18,6 +18,12 @@
 // SmolLM2 prefill step of 2048 tokens took 1179 -> 1135 ms (bfloat16) and 2197 -> 2143 ms (float32), a decode
 // step at 32 streams 64.2 -> 62.5 ms (float32) and ~1 % less (bfloat16), in-process A/Bs on a Zen 4.
 //
+// small_gemm_argmax_lse is a greedy head without its logits: the outputs are written a cache-sized panel of columns
+// at a time into a per-thread buffer and reduced there to each row's argmax, max and sum of exp (run_head). At 256
+// decode rows of a 49,152 vocabulary the [rows, vocab] float32 logits are 50 MB written to memory and read back by
+// argmax_logsumexp: a tiny model's (hidden 64) float32 step, 2 vCPU Xeon, took 34.4 -> 24.1 ms (in-process A/B on a
+// loaded machine; benchmarks/profile_step.py's not-the-model share in docs/benchmarks.md).
+//
 // Paths, picked at run time from what the build targets (engine/ops/build.py), or forced by `isa` (tests
 // run the AVX2 path on an AVX-512 machine): AVX-512 BF16 (vdpbf16ps), AVX-512F, AVX2+FMA. Without
 // vdpbf16ps a bfloat16 pair is widened by two integer ops: (pair << 16) is the even k, (pair & 0xffff0000)
@@ -30,7 +36,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -44,6 +52,7 @@
 #include <c10/util/Exception.h>
 
 #include "../ops.h"
+#include "row_stats.h"
 #include "simd.h"
 
 namespace pagedserve {
@@ -517,11 +526,88 @@ void run_path(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& w
   }
 }
 
+// small_gemm_argmax_lse's results, one per row: the first index of the row's largest output, that output, and
+// log(sum(exp(outputs))).
+struct HeadStats {
+  int64_t* argmax;
+  float* max;
+  float* lse;
+};
+
+// Bytes of a head panel's outputs (rows x the panel's columns, float32): they stay in L2 while their rows' stats
+// are taken, so the [rows, vocab] logits are never written to memory and read back.
+constexpr int64_t kHeadPanelBytes = 256 << 10;
+
+// A head's GEMM in panels of output blocks, each panel's [m, columns] outputs written to a per-thread buffer and
+// reduced at once to per-row (max, argmax, sum of exp) (csrc/cpu/row_stats.h); the panels' stats are then combined
+// in column order, so the result does not depend on which thread ran which panel. Panels are handed out as threads
+// finish them (over_threads' pieces): at a few rows each panel streams its part of the weights, at many rows its
+// outputs fill kHeadPanelBytes. Threads run their panels' tiles without a nested team.
+template <typename X, typename W, int R1, int B1, int R2, int B2>
+void run_head(const Kernels<X, W, R1, B1>& small, const Kernels<X, W, R2, B2>& wide, const X* x, int64_t xs,
+              const W* w, int64_t w_block, int64_t depth, const TileOut& o, int64_t m, int64_t blocks,
+              const HeadStats& hs) {
+  constexpr int N = simd::kNative;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t max_threads = std::max(1, omp_get_max_threads());
+  const int64_t by_cache = std::max<int64_t>(4, kHeadPanelBytes / (static_cast<int64_t>(sizeof(float)) * kBlock * m));
+  const int64_t by_balance = std::max<int64_t>(1, blocks / (max_threads * kPiecesPerThread));
+  const int64_t panel = std::min(by_cache, by_balance), panels = (blocks + panel - 1) / panel;
+  std::vector<float> pmax(panels * m), psum(panels * m);
+  std::vector<int64_t> parg(panels * m);
+  std::atomic<int64_t> next{0};
+  auto work = [&]() {
+    std::vector<float> buf(m * panel * kBlock);
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < panels;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t b0 = i * panel, nb = std::min(panel, blocks - b0), col0 = b0 * kBlock;
+      const int64_t cols = std::min(nb * kBlock, o.n - col0);
+      TileOut po = o;
+      po.out_f32 = buf.data(), po.out_bf16 = nullptr, po.out_stride = nb * kBlock, po.n = cols;
+      po.bias = o.bias ? o.bias + col0 : nullptr;
+      if (m <= kSmallRows) {
+        run_blocks<false>(small, x, xs, w + b0 * w_block, w_block, depth, po, m, 0, nb);
+      } else {
+        run_blocks<true>(wide, x, xs, w + b0 * w_block, w_block, depth, po, m, 0, nb);
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        const float* row = buf.data() + r * po.out_stride;
+        float mx;
+        parg[i * m + r] = col0 + row_argmax<N>(row, cols, &mx);
+        pmax[i * m + r] = mx;
+        psum[i * m + r] = row_sumexp<N>(row, cols, mx);
+      }
+    }
+  };
+  const int64_t threads = std::min(max_threads, panels);
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    work();
+  } else {
+    work();
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    float mx = kNegInf, sum = 0.0f;
+    int64_t arg = parg[r];  // every value NaN or -inf: the first panel's pick, as row_argmax's
+    for (int64_t i = 0; i < panels; ++i) {
+      const float pm = pmax[i * m + r], ps = psum[i * m + r];
+      if (pm > mx) {  // strict: an equal maximum in a later panel keeps the first index
+        sum = sum * std::exp(mx - pm) + ps;
+        mx = pm, arg = parg[i * m + r];
+      } else if (pm > kNegInf) {
+        sum += ps * std::exp(pm - mx);
+      }
+    }
+    hs.argmax[r] = arg, hs.max[r] = mx;
+    hs.lse[r] = mx == kNegInf ? mx : mx + std::log(sum);
+  }
+}
+
 // One ISA path's tiles: R1 x B1 up to kSmallRows rows and R2 x B2 above; a gated MLP's fused tiles (glu) hold G1 or
 // G2 gate/up block pairs instead (0: the path has none, and glu is never asked of it).
 template <typename Tile, int R1, int B1, int R2, int B2, int G1, int G2, typename X, typename W>
 void run_tiles(bool glu, const X* x, int64_t xs, const W* w, int64_t w_block, int64_t depth, const TileOut& o,
-               int64_t m, int64_t blocks) {
+               int64_t m, int64_t blocks, const HeadStats* head = nullptr) {
   if constexpr (G1 > 0 && G2 > 0) {
     if (glu) {
       static constexpr auto small = kernels_of<Tile, X, W, R1, G1, true>();
@@ -531,6 +617,7 @@ void run_tiles(bool glu, const X* x, int64_t xs, const W* w, int64_t w_block, in
   }
   static constexpr auto small = kernels_of<Tile, X, W, R1, B1>();
   static constexpr auto wide = kernels_of<Tile, X, W, R2, B2>();
+  if (head != nullptr) return run_head(small, wide, x, xs, w, w_block, depth, o, m, blocks, *head);
   run_path(small, wide, x, xs, w, w_block, depth, o, m, blocks);
 }
 
@@ -552,22 +639,26 @@ int64_t small_gemm_isa() { return best_isa(); }
 namespace {
 
 // small_gemm (glu false) and small_gemm_glu (glu true; false when this path has no fused tiles or the output
-// columns are not whole blocks: nothing is written then).
-bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-          int64_t isa, bool glu) {
-  const char* name = glu ? "small_gemm_glu" : "small_gemm";
+// columns are not whole blocks: nothing is written then); with `head`, small_gemm_argmax_lse: no `out`, the
+// outputs' head_n columns reduced to per-row stats (run_head).
+bool gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+          int64_t isa, bool glu, const HeadStats* head = nullptr, int64_t head_n = 0) {
+  const char* name = head ? "small_gemm_argmax_lse" : glu ? "small_gemm_glu" : "small_gemm";
   const Isa use = checked_isa(isa, name);
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 1, name, ": x [M, K], out [M, N], packed 1-D");
-  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && packed.device().is_cpu(), name, ": CPU tensors");
-  // A float32 out of a bfloat16 GEMM holds the bfloat16 result widened (a head's logits without a copy).
-  const bool widen = !glu && x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kFloat;
-  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && (out.scalar_type() == x.scalar_type() || widen), name,
-              ": x, out and the packed weight share one dtype (or a bfloat16 GEMM's out is float32), got ",
-              x.scalar_type(), ", ", out.scalar_type(), ", ", packed.scalar_type());
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && packed.is_contiguous(), name, ": rows contiguous");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 1 && (head || out.dim() == 2), name,
+              ": x [M, K], out [M, N], packed 1-D");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && (head || out.device().is_cpu()), name,
+              ": CPU tensors");
+  // A float32 out of a bfloat16 GEMM holds the bfloat16 result widened (a head's logits without a copy); a head's
+  // stats are taken over those same values.
+  const bool widen = !glu && x.scalar_type() == at::kBFloat16 && (head || out.scalar_type() == at::kFloat);
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type() && (head || out.scalar_type() == x.scalar_type() || widen),
+              name, ": x, out and the packed weight share one dtype (or a bfloat16 GEMM's out is float32), got ",
+              x.scalar_type(), ", ", head ? x.scalar_type() : out.scalar_type(), ", ", packed.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1 && (head || out.stride(1) == 1) && packed.is_contiguous(), name, ": rows contiguous");
+  const int64_t m = x.size(0), k = x.size(1), n = head ? head_n : out.size(1);
   const int64_t n_weight = glu ? 2 * n : n;  // the packed weight's columns: a gated MLP's are gate | up
-  TORCH_CHECK(out.size(0) == m, name, ": out has ", out.size(0), " rows, x ", m);
+  TORCH_CHECK(head || out.size(0) == m, name, ": out has ", head ? m : out.size(0), " rows, x ", m);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, name, ": float32 or bfloat16, got ", x.scalar_type());
   const int64_t blocks = (n_weight + kBlock - 1) / kBlock;
@@ -584,13 +675,14 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
   // Fused tiles: the AVX-512 paths (16 accumulators or more with a gate and an up block a row; the AVX2 tiles' 16
   // ymm registers hold one block of 4 rows), gate and up columns in whole blocks.
   if (glu && (use < kAvx512 || n % kBlock != 0)) return false;
-  if (m == 0 || n == 0) return true;
+  if (m == 0 || n == 0) return true;  // (a head's n > 0: checked by small_gemm_argmax_lse)
   const int64_t w_block = kBlock * depth * (bf16 ? 2 : 1);  // elements of the packed dtype per block
   // Output blocks (a gated MLP's count gate blocks) and, fused, the up blocks' distance in packed elements.
   const int64_t out_blocks = glu ? n / kBlock : blocks, up_offset = glu ? out_blocks * w_block : 0;
-  const bool out_f32 = out.scalar_type() == at::kFloat;
-  TileOut o{out_f32 ? out.data_ptr<float>() : nullptr, out_f32 ? nullptr : out.data_ptr<c10::BFloat16>(), widen,
-            out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n,
+  const bool out_f32 = !head && out.scalar_type() == at::kFloat;  // a head's panels are float32 (run_head)
+  TileOut o{out_f32 ? out.data_ptr<float>() : nullptr,
+            out_f32 || head ? nullptr : out.data_ptr<c10::BFloat16>(), widen, head ? 0 : out.stride(0),
+            bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n,
             bf16 ? up_offset / 2 : up_offset};  // in the tiles' units: uint32 pairs for bfloat16
 
 #if defined(__AVX512BF16__)
@@ -610,7 +702,7 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
       xs = depth;
     }
     // Fused: 8 rows of a gate and an up block (16 accumulators); 6 rows of two pairs ran 1.5-5 % slower at 8 to 128.
-    run_tiles<Bf16Dp, 4, 4, 8, 3, 2, 1>(glu, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
+    run_tiles<Bf16Dp, 4, 4, 8, 3, 2, 1>(glu, xp, xs, w, w_block / 2, depth, o, m, out_blocks, head);
     return true;
   }
 #endif
@@ -624,9 +716,10 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
   if (use >= kAvx512) {
     if (bf16) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-      run_tiles<Bf16Avx512, 4, 2, 8, 2, 1, 1>(glu, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
+      run_tiles<Bf16Avx512, 4, 2, 8, 2, 1, 1>(glu, xp, xs, w, w_block / 2, depth, o, m, out_blocks, head);
     } else {
-      run_tiles<F32Avx512, 4, 4, 8, 3, 2, 1>(glu, xp, xs, packed.data_ptr<float>(), w_block, depth, o, m, out_blocks);
+      run_tiles<F32Avx512, 4, 4, 8, 3, 2, 1>(glu, xp, xs, packed.data_ptr<float>(), w_block, depth, o, m, out_blocks,
+                                             head);
     }
     return true;
   }
@@ -636,9 +729,10 @@ bool gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const 
   // accumulators, 4 widened pairs, 2 broadcasts); float32: 6-row tiles above (12 accumulators, 2 weights, 1 x).
   if (bf16) {
     const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
-    run_tiles<Bf16Avx2, 4, 1, 4, 1, 0, 0>(false, xp, xs, w, w_block / 2, depth, o, m, out_blocks);
+    run_tiles<Bf16Avx2, 4, 1, 4, 1, 0, 0>(false, xp, xs, w, w_block / 2, depth, o, m, out_blocks, head);
   } else {
-    run_tiles<F32Avx2, 4, 1, 6, 1, 0, 0>(false, xp, xs, packed.data_ptr<float>(), w_block, depth, o, m, out_blocks);
+    run_tiles<F32Avx2, 4, 1, 6, 1, 0, 0>(false, xp, xs, packed.data_ptr<float>(), w_block, depth, o, m, out_blocks,
+                                         head);
   }
   return true;
 #endif
@@ -655,6 +749,21 @@ void small_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
 bool small_gemm_glu(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                     const c10::optional<at::Tensor>& bias, int64_t isa) {
   return gemm(out, x, packed, bias, isa, true);
+}
+
+void small_gemm_argmax_lse(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t n, at::Tensor& argmax, at::Tensor& max, at::Tensor& logsumexp, int64_t isa) {
+  const int64_t m = x.dim() == 2 ? x.size(0) : -1;
+  TORCH_CHECK(n > 0, "small_gemm_argmax_lse: n (the output columns) must be positive, got ", n);
+  TORCH_CHECK(argmax.scalar_type() == at::kLong && max.scalar_type() == at::kFloat &&
+                  logsumexp.scalar_type() == at::kFloat,
+              "small_gemm_argmax_lse: argmax int64, max and logsumexp float32");
+  for (const at::Tensor* t : {&argmax, &max, &logsumexp}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 1 && t->size(0) == m && t->is_contiguous(),
+                "small_gemm_argmax_lse: argmax, max and logsumexp are contiguous [rows] CPU tensors");
+  }
+  const HeadStats stats{argmax.data_ptr<int64_t>(), max.data_ptr<float>(), logsumexp.data_ptr<float>()};
+  gemm(at::Tensor(), x, packed, bias, isa, false, &stats, n);
 }
 
 }  // namespace cpu

@@ -15,7 +15,7 @@ from engine.ops.build import (CUDA_HEAD_SIZES, BackendUnavailable, OpsBackend, b
                                load as _load, require_backend)
 from engine.ops.reference import (BlockMapping, _as_mapping, ref_argmax_logsumexp, ref_copy_blocks, ref_fused_add_rms_norm,
                             ref_paged_attention, ref_prefill_attention, ref_reshape_and_cache, ref_rms_norm,
-                            ref_rotary_embedding, ref_silu_and_mul, ref_small_gemm, ref_small_gemm_glu,
+                            ref_rotary_embedding, ref_silu_and_mul, ref_small_gemm, ref_small_gemm_argmax_lse, ref_small_gemm_glu,
                             ref_swap_blocks)
 
 
@@ -270,6 +270,25 @@ def small_gemm_glu(out: torch.Tensor,  # [rows, N] float32 or bfloat16
     if module is None:
         return ref_small_gemm_glu(out, x, packed, bias)
     return bool(module.small_gemm_glu(out, x, packed, bias, isa))
+
+
+def small_gemm_argmax_lse(x: torch.Tensor,  # [rows, K] float32 or bfloat16, rows contiguous
+                          packed: torch.Tensor,  # pack_small_rows(W [n, K]), x's dtype
+                          n: int,  # W's rows: the vocabulary of a head
+                          bias: Optional[torch.Tensor] = None,  # [n]
+                          isa: int = SMALL_GEMM_AUTO) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy head without its logits: per row of x @ W^T (+ bias) as small_gemm's float32 output, (the first
+    index of the largest, int64 [rows]; that value, float32; logsumexp, float32). The [rows, n] outputs are reduced
+    a cache-sized panel at a time and never written: at 256 rows of a 49,152 vocabulary, 50 MB not written to
+    memory and read back by argmax_logsumexp."""
+    module = _small_gemm_module(isa, x, packed)
+    if module is None:
+        return ref_small_gemm_argmax_lse(x, packed, n, bias)
+    rows = x.shape[0]
+    argmax = torch.empty(rows, dtype=torch.int64)
+    best, lse = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
+    module.small_gemm_argmax_lse(x, packed, bias, n, argmax, best, lse, isa)
+    return argmax, best, lse
 
 
 def _small_gemm_module(isa: int, *tensors: torch.Tensor):

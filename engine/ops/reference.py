@@ -79,6 +79,17 @@ def ref_small_gemm(out: torch.Tensor,  # [rows, N] x's dtype, or float32 for a b
     return out.copy_(result.to(x.dtype))
 
 
+def ref_small_gemm_argmax_lse(x: torch.Tensor,  # [rows, K] float32 or bfloat16
+                              packed: torch.Tensor,  # pack_small_rows(W [n, K])
+                              n: int,
+                              bias: Optional[torch.Tensor] = None,  # [n]
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(argmax int64, max float32, logsumexp float32) per row of the head's float32 outputs (ref_small_gemm's)."""
+    logits = ref_small_gemm(torch.empty(x.shape[0], n, dtype=torch.float32), x, packed, bias)
+    argmax, lse = ref_argmax_logsumexp(logits)
+    return argmax, logits.gather(1, argmax.unsqueeze(1)).squeeze(1), lse
+
+
 def ref_small_gemm_glu(out: torch.Tensor,  # [rows, N] x's dtype
                        x: torch.Tensor,  # [rows, K]
                        packed: torch.Tensor,  # pack_small_rows(W [2N, K]): gate rows, then up rows

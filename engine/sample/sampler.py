@@ -35,6 +35,21 @@ class RowSamples(NamedTuple):
     logprobs: torch.Tensor  # [num_rows] float32
 
 
+class GreedyStats(NamedTuple):
+    """Per row of a step's raw logits, all a greedy step without top logprobs needs: the first index of the largest
+    logit, that logit, and the row's logsumexp. A CPU head computes them without writing the logits
+    (LlamaForCausalLM.compute_greedy, engine/worker/model_runner.py); of() takes them from logits."""
+
+    argmax: torch.Tensor  # [num_rows] int64
+    max: torch.Tensor  # [num_rows] float32
+    logsumexp: torch.Tensor  # [num_rows] float32
+
+    @classmethod
+    def of(cls, logits: torch.Tensor) -> "GreedyStats":
+        argmax, lse = ops.argmax_logsumexp(logits)
+        return cls(argmax, logits.gather(1, argmax.unsqueeze(1)).squeeze(1).float(), lse)
+
+
 class BatchParams:
     """Per-row sampling parameters of a batch as tensors, built when the batch changes (a steady decode keeps
     them): which rows are greedy, the random rows' temperature, top-k / top-p, min-p, and whose generator each
@@ -178,12 +193,17 @@ class Sampler:
 
     def sample_rows(
         self,
-        logits: torch.Tensor,  # [num_rows, vocab]
+        logits: torch.Tensor | GreedyStats,  # [num_rows, vocab], or a greedy batch's stats
         groups: list[tuple[SequenceGroup, list[Sequence]]],
         batch: Optional[BatchParams] = None,  # the batch's parameters, if kept from an earlier step
     ) -> Optional[RowSamples]:
         """One pass over the batch when every row draws one token with nothing but temperature, top-k / top-p and
-        min-p (greedy rows, random rows, seeded rows together); None when some row needs __call__'s path."""
+        min-p (greedy rows, random rows, seeded rows together); None when some row needs __call__'s path.
+        `logits` may be a batch's GreedyStats instead (its rows all greedy: the engine asks for them only then)."""
+        if isinstance(logits, GreedyStats):
+            if batch is not None and not batch.all_greedy:
+                raise ValueError("sample_rows: GreedyStats hold greedy rows only; this batch samples")
+            return RowSamples(logits.argmax, logits.max - logits.logsumexp)
         if batch is None:
             batch = BatchParams(groups)
         if not batch.simple:

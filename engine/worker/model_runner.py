@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.distributed.group import TPGroup
 from engine.model_executor.layers.prefill_kernels import PrefillBatch, ProbeShape, candidates_for, select_prefill_kernel
 from engine.sample.prompt_logprobs import logits_positions
+from engine.sample.sampler import GreedyStats
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -133,7 +134,7 @@ class ModelRunner:
         self._split = (self.device.type == "cpu" and self._threads > 1 and os.environ.get(_SPLIT_ENV, "1") != "0"
                        and ops.backend() is ops.OpsBackend.COMPILED_CPU and self.tp.group is None)
         self._shard_pool: Optional[ThreadPoolExecutor] = None  # started on the first split step
-        dtype = next(model.parameters(), torch.empty(0)).dtype
+        dtype = self._dtype = next(model.parameters(), torch.empty(0)).dtype
         self._split_min_rows = SPLIT_MIN_ROWS_BF16 if dtype == torch.bfloat16 else SPLIT_MIN_ROWS
         # CUDA: the batched prefill kernel that runs here, probed once on this device (engine/model_executor/layers/prefill_kernels.py).
         attn = next((m for m in model.modules() if isinstance(m, Attention)), None)
@@ -162,12 +163,15 @@ class ModelRunner:
             self.batch.next_tokens = token_ids
 
     @torch.inference_mode()
-    def execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None] = _no_fault,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None] = _no_fault, greedy: bool = False,
+                ) -> tuple[torch.Tensor | GreedyStats, dict[str, torch.Tensor]]:
         """Forward the tokens [num_computed_tokens, get_len()) of every RUNNING sequence of out.scheduled.
 
         A prompt chunk (ScheduledGroup.do_sample False) computes only its num_tokens and gets no logits row.
-        `at(stage)` is called as each stage starts ("prepare_inputs", "forward"; engine/faults.py)."""
+        `at(stage)` is called as each stage starts ("prepare_inputs", "forward"; engine/faults.py).
+        greedy (every row greedy, no top logprobs, nothing adjusting the logits): the rows' GreedyStats instead of
+        their logits, from a head that does not write them where the model has one; logits still under tensor
+        parallelism and for a step with prompt logprobs."""
         at("prepare_inputs")
         inp = self.prepare(out)
         at("forward")
@@ -180,18 +184,23 @@ class ModelRunner:
                 return self.forward(inp, kv_caches)
             except Exception as exc:  # the others may wait in a collective this rank never reaches: fatal
                 raise self.workers.fatal(exc) from exc
+        greedy = greedy and not inp.prompt_rows
         shards = self._num_shards(inp)
         if shards > 1:
-            return self._split_decode(inp, kv_caches, shards), {}
-        return self.forward(inp, kv_caches)
+            return self._split_decode(inp, kv_caches, shards, greedy), {}
+        return self.forward(inp, kv_caches, greedy)
 
     @torch.inference_mode()
-    def forward(self, inp: ModelInput, kv_caches: list[KVCache],
-                ) -> tuple[Optional[torch.Tensor], dict[str, Optional[torch.Tensor]]]:
-        """One forward of a prepared input; every rank runs it (logits are None except on rank 0)."""
+    def forward(self, inp: ModelInput, kv_caches: list[KVCache], greedy: bool = False,
+                ) -> tuple[Optional[torch.Tensor | GreedyStats], dict[str, Optional[torch.Tensor]]]:
+        """One forward of a prepared input; every rank runs it (logits are None except on rank 0). greedy (one
+        rank, no prompt rows): GreedyStats instead of logits (execute)."""
         inp = inp.to(self.device)
         inp.meta.prefill_batch = self._prefill_batch(inp.meta.prefills)
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.meta)  # [num_tokens, hidden]
+        if greedy:
+            rows = inp.logits_indices.shape[0]
+            return self._greedy_stats(hidden[inp.logits_indices], lambda: self._logits_out(rows)), {}
         logits = self.model.compute_logits(hidden[inp.logits_indices],  # [num_rows, vocab]
                                            self._logits_out(inp.logits_indices.shape[0]))
         prompt_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in inp.prompt_rows.items()}
@@ -211,28 +220,45 @@ class ModelRunner:
             return 1
         return min(self._threads, SPLIT_MAX_SHARDS, meta.num_decode_tokens // self._split_min_rows)
 
-    def _split_decode(self, inp: ModelInput, kv_caches: list[KVCache], shards: int) -> torch.Tensor:
+    def _greedy_stats(self, hidden: torch.Tensor, out: Callable[[], Optional[torch.Tensor]]) -> GreedyStats:
+        """The rows' GreedyStats from the head without logits (LlamaForCausalLM.compute_greedy), else from the
+        logits, written into out() (a kept buffer, or None)."""
+        compute_greedy = getattr(self.model, "compute_greedy", None)
+        stats = compute_greedy(hidden) if compute_greedy is not None else None
+        if stats is None:
+            return GreedyStats.of(self.model.compute_logits(hidden, out()))
+        return GreedyStats(*stats)
+
+    def _split_decode(self, inp: ModelInput, kv_caches: list[KVCache], shards: int,
+                      greedy: bool = False) -> torch.Tensor | GreedyStats:
         n = inp.meta.num_decode_tokens
         bounds = [n * i // shards for i in range(shards + 1)]
         threads = [self._threads // shards + (1 if i < self._threads % shards else 0) for i in range(shards)]
         if self._shard_pool is None:  # created from the step thread: the workers inherit its scheduling priority
             self._shard_pool = ThreadPoolExecutor(max_workers=SPLIT_MAX_SHARDS - 1, thread_name_prefix="decode-shard")
-        out = self._logits_out(n)  # each shard's head writes its rows of it: no concatenation of the logits
+        # Each shard's head writes its rows of one buffer (no concatenation of the logits): unless greedy, and then
+        # only where the head has no stats of its own (compute_greedy).
+        serves = getattr(self.model, "serves_greedy", None)
+        stats = greedy and serves is not None and all(
+            serves(bounds[i + 1] - bounds[i], self._dtype, self.device) for i in range(shards))
+        out = None if stats else self._logits_out(n)
         outs = [None if out is None else out[bounds[i]:bounds[i + 1]] for i in range(shards)]
         futures = [
             self._shard_pool.submit(self._forward_shard, inp, bounds[i], bounds[i + 1], kv_caches, threads[i],
-                                    outs[i])
+                                    outs[i], greedy)
             for i in range(1, shards)
         ]
-        first = self._forward_shard(inp, bounds[0], bounds[1], kv_caches, threads[0], outs[0])
+        first = self._forward_shard(inp, bounds[0], bounds[1], kv_caches, threads[0], outs[0], greedy)
         parts = [first] + [f.result() for f in futures]
+        if greedy:
+            return GreedyStats(*(torch.cat([p[j] for p in parts]) for j in range(3)))
         if out is not None and all(p.data_ptr() == o.data_ptr() for p, o in zip(parts, outs)):
             return out
         return torch.cat(parts)  # [num_rows, vocab], rows in order
 
     @torch.inference_mode()  # thread-local: the pool's threads need their own
     def _forward_shard(self, inp: ModelInput, a: int, b: int, kv_caches: list[KVCache], threads: int,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, greedy: bool = False) -> torch.Tensor | GreedyStats:
         meta = AttentionMetadata(
             slot_mapping=inp.meta.slot_mapping[a:b],
             decode_block_tables=inp.meta.decode_block_tables[a:b],
@@ -240,6 +266,8 @@ class ModelRunner:
         )
         with ops.thread_omp_threads(threads):
             hidden = self.model(inp.input_ids[a:b], inp.positions[a:b], kv_caches, meta)
+            if greedy:
+                return self._greedy_stats(hidden, lambda: out)
             return self.model.compute_logits(hidden, out)  # decode rows: logits_indices is arange(num_rows)
 
     def prepare(self, out) -> Optional[ModelInput]:

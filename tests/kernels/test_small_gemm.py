@@ -232,3 +232,55 @@ def test_forward_float32_equals_linear_then_float(dtype):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         got = forward_float32(layer, x)
         assert got.dtype == torch.float32 and torch.equal(got, layer(x).float())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 33), (1000, 64), (49152, 64)])  # (N, K): a partial block, a vocabulary
+def test_small_gemm_argmax_lse_equals_the_logits_stats(isa, dtype, shape):
+    """The greedy head without logits: per row the argmax and max of small_gemm's float32 output (bit for bit: the
+    same tiles write the same values) and its logsumexp (summed in another order), on one and two threads, at the
+    one-pass and the tall tiles' row counts, with and without bias."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    packed = pack_small_rows(weight)
+    for rows in (1, 4, 5, 40, 256):
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        for b in (None, bias):
+            logits = ops.small_gemm(torch.empty(rows, n), x, packed, b, isa)
+            want_arg, want_lse = ops.ref_argmax_logsumexp(logits)
+            for threads in (1, 2):
+                with torch_threads(threads), ops.thread_omp_threads(threads):
+                    arg, best, lse = ops.small_gemm_argmax_lse(x, packed, n, b, isa)
+                assert torch.equal(arg, want_arg)
+                assert torch.equal(best, logits.gather(1, want_arg.unsqueeze(1)).squeeze(1))
+                torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_small_gemm_argmax_lse_keeps_the_first_of_equal_maxima(isa):
+    """torch.argmax's tie rule across the kernel's panels: a vocabulary whose rows repeat every 48 columns has its
+    largest output ~1000 times per row; the first one wins whichever thread reduced which panel."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 64, generator=gen).repeat(1024, 1)  # [49152, 64]
+    packed = pack_small_rows(weight)
+    x = torch.randn(256, 64, generator=gen)
+    want = x.mm(weight[:48].t()).argmax(dim=-1)
+    for threads in (1, 2):
+        with torch_threads(threads), ops.thread_omp_threads(threads):
+            arg, _, _ = ops.small_gemm_argmax_lse(x, packed, weight.shape[0], None, isa)
+        assert torch.equal(arg, want)
+
+
+def test_small_gemm_argmax_lse_refuses_what_it_cannot_serve():
+    packed = pack_small_rows(torch.randn(40, 16))
+    with pytest.raises(RuntimeError, match="packed weight has"):
+        ops.small_gemm_argmax_lse(torch.randn(3, 16), packed, 80)
+    with pytest.raises(RuntimeError, match="must be positive"):
+        ops.small_gemm_argmax_lse(torch.randn(3, 16), packed, 0)
+    with pytest.raises(RuntimeError, match="bias has"):
+        ops.small_gemm_argmax_lse(torch.randn(3, 16), packed, 40, torch.randn(41))
+    arg, best, lse = ops.small_gemm_argmax_lse(torch.randn(0, 16), packed, 40)  # no rows: nothing to do
+    assert arg.shape == best.shape == lse.shape == (0,)

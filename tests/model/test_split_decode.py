@@ -31,9 +31,9 @@ def test_split_decode_matches_one_forward(default_model_dir):
         split_calls = []
         original = runner._split_decode
 
-        def counted(inp, kv_caches, shards):
+        def counted(inp, kv_caches, shards, *args):
             split_calls.append((inp.meta.num_decode_tokens, shards))
-            return original(inp, kv_caches, shards)
+            return original(inp, kv_caches, shards, *args)
 
         runner._split_decode = counted
         prompts = _prompts(llm.get_tokenizer())
@@ -54,6 +54,40 @@ def test_split_decode_matches_one_forward(default_model_dir):
                 assert value == pytest.approx(lp_b[token], abs=1e-3)
     stats = llm.engine.get_stats()
     assert stats.num_running == 0 and stats.device_cache_usage == 0.0  # every block back in the pool
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_greedy_batch_without_logits_matches_the_logits(default_model_dir, dtype):
+    """A steady greedy decode without top logprobs asks the head for argmax and logsumexp only
+    (LlamaForCausalLM.compute_greedy: the logits are never written): the tokens and the cumulative logprobs equal
+    those of the same steps with the head writing its logits (serves_greedy off), for a batch split across the cores
+    and a small one, and the stats path did serve steps (where the small-row kernel holds the head: every row count
+    in float32; bfloat16 up to SMALL_ROWS on a CPU where oneDNN's AMX GEMM takes the larger ones)."""
+    with torch_threads(2):
+        llm = LLM(model=str(default_model_dir), dtype=dtype, max_model_len=256, num_gpu_blocks_override=256,
+                  num_cpu_blocks_override=16, block_size=16, seed=0)
+        model = llm.engine.model_runner.model
+        served, original = [], model.compute_greedy
+
+        def counted(hidden):
+            stats = original(hidden)
+            served.append(stats is not None)
+            return stats
+
+        model.compute_greedy = counted
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for num in (2 * SPLIT_MIN_ROWS_BF16 + 2, 5):  # split in either dtype; one forward
+            prompts = _prompts(llm.get_tokenizer(), num)
+            stats = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            serves, model.serves_greedy = model.serves_greedy, lambda *a: False
+            logits = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            model.serves_greedy = serves
+            for a, b in zip(stats, logits):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids
+                assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+    assert any(served), "the head served the greedy steps' stats"
+    stats = llm.engine.get_stats()
+    assert stats.num_running == 0 and stats.device_cache_usage == 0.0
 
 
 def _split_counting_llm(model_dir, dtype: str, num_blocks: int) -> tuple[LLM, list[int]]:

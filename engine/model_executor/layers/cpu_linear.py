@@ -177,6 +177,22 @@ def forward_float32(linear: nn.Linear, x: torch.Tensor, out: Optional[torch.Tens
     return linear(x).float()
 
 
+def serves_head_stats(linear: nn.Linear, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """head_argmax_lse serves this head on `rows` rows of x (dtype, device): its small-row kernel's float weight
+    does (not an int8 head, nor one that oneDNN serves at this many rows)."""
+    small = getattr(linear, "_small_weight", None)
+    return (small is not None and not getattr(linear, "_q8", False) and small.dtype in (torch.bfloat16, torch.float32)
+            and dtype == small.dtype and device.type == "cpu" and rows <= linear._small_max_rows)
+
+
+def head_argmax_lse(linear: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A head's greedy stats without its logits (ops.small_gemm_argmax_lse), where serves_head_stats: per row of x,
+    [rows, in_features], of forward_float32(linear, x): (argmax, max, logsumexp), the same argmax and max as the
+    logits' (the same tiles write the same float32 values)."""
+    return ops.small_gemm_argmax_lse(x if x.stride(-1) == 1 else x.contiguous(), linear._small_weight,
+                                     linear.out_features, linear.bias)
+
+
 def small_rows_weight(linear: nn.Module) -> Optional[tuple[torch.Tensor, int]]:
     """(the packed weight the small-row kernel reads for `linear`, the most rows it serves there), or None when it
     has none (not packed, oneDNN only, PAGEDSERVE_SMALL_ROW_LINEAR=0). engine/model_executor/layers/quant.py's int8 linears keep their

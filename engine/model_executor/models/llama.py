@@ -234,6 +234,19 @@ class LlamaForCausalLM(nn.Module):
         out = out if self.tp.world_size == 1 else None
         return self.tp.gather_cols(cpu_linear.forward_float32(self.lm_head, self.norm(hidden), out))
 
+    def serves_greedy(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """compute_greedy serves `rows` rows of hidden states (dtype, device): one rank, and a head whose
+        small-row kernel serves them (cpu_linear.serves_head_stats)."""
+        return self.tp.world_size == 1 and cpu_linear.serves_head_stats(self.lm_head, rows, dtype, device)
+
+    def compute_greedy(self, hidden: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """[num_rows, hidden] -> per row (argmax, max logit, logsumexp) of compute_logits' logits without writing
+        them (cpu_linear.head_argmax_lse); None where it does not serve (serves_greedy: tensor parallelism, CUDA,
+        an int8 head, a head oneDNN serves at this many rows): the caller computes the logits."""
+        if not self.serves_greedy(hidden.shape[0], hidden.dtype, hidden.device):
+            return None
+        return cpu_linear.head_argmax_lse(self.lm_head, self.norm(hidden))
+
     # ---- weights (engine/model_executor/models/llama_weights.py) ---------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF state-dict tensors (model.layers.N.self_attn.q_proj.weight, ...) into our fused params."""
