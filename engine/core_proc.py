@@ -5,11 +5,15 @@ reached over ZMQ with msgpack (msgspec). The API-server process drives it throug
 Messages, one msgpack array each (the first item names it):
   frontend -> core: ("add", request_id, prompt, prompt_token_ids, params, arrival_time, priority)
                     ("abort", [request_id, ...]), ("stats",), ("reset",), ("problems",), ("stop",)
-  core -> frontend: ("ready", config, vocab_size), ("out", [RequestOutput, ...], stats) once per step,
-                    ("fail", stage, error type, message, [ended request_id, ...], [RequestOutput, ...], stats)
+  core -> frontend: ("ready", config, vocab_size), ("out", [output delta, ...], stats) once per step,
+                    ("fail", stage, error type, message, [ended request_id, ...], [output delta, ...], stats)
                     for a StepError, ("refused", request_id, error type, message) for an add the engine refused,
                     ("stats", stats), ("reset", [dropped request_id, ...], stats), ("problems", [str, ...]),
                     ("fatal", message)
+An output delta is a RequestOutput as what changed since the request's last one (OutputDeltas): the prompt, its ids
+and prompt logprobs once, then per choice the text, token ids and logprobs each as (kept length, new items). A
+RequestOutput holds the whole text and token ids so far: sent whole, a step at 256 streams of 128 tokens carried
+256 prompts and ~16k token ids, and decoding it took the frontend's step thread ~20 % of a core (py-spy, 2 vCPU).
 The core never outlives the frontend: PR_SET_PDEATHSIG (SIGKILL) and a thread watching its parent end it.
 A request whose structured-output grammar the core has not compiled yet is compiled in a thread of the core
 (xgrammar lets go of the GIL) and added when its grammar is ready: a new schema costs its own request's time, not
@@ -22,14 +26,16 @@ import os
 import queue
 import signal
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import msgspec
 import zmq
 
 from engine.config import EngineConfig
 from engine.platform.parent import exit_with_parent
+from engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,114 @@ def encoder() -> msgspec.msgpack.Encoder:
 
 def decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder()
+
+
+def _kept(new: Any, old: Any) -> int:
+    """How much of `old` (a str or list) starts `new`: all of it in the usual step, which only appends."""
+    n = len(old)
+    if len(new) >= n and new[:n] == old:
+        return n
+    return next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(n, len(new)))
+
+
+class OutputDeltas:
+    """The core's side of the output deltas: each RequestOutput as what changed since the request's last one.
+
+    Per request it keeps the last text and token ids sent for each choice (the RequestOutput's own copies) until the
+    request's final output, or until forget() (an abort, a failed step's ended requests) or a reset."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[Any, list[tuple[str, list[int], int]]]] = {}
+
+    def encode(self, outputs: list[RequestOutput]) -> list[tuple]:
+        items = []
+        for out in outputs:
+            prev = self._sent.get(out.request_id)
+            resend = prev is None or prev[0] is not out.prompt_logprobs
+            last = prev[1] if prev is not None else []
+            choices, sent = [], []
+            for j, c in enumerate(out.outputs):
+                text, ids, num_lps = last[j] if j < len(last) else ("", [], 0)
+                keep_text, keep_ids = _kept(c.text, text), _kept(c.token_ids, ids)
+                keep_lps = min(keep_ids, num_lps) if c.logprobs is not None else 0
+                choices.append((c.index, keep_text, c.text[keep_text:], keep_ids, c.token_ids[keep_ids:],
+                                c.cumulative_logprob, keep_lps, None if c.logprobs is None else c.logprobs[keep_lps:],
+                                c.finish_reason, c.stop_reason))
+                sent.append((c.text, c.token_ids, 0 if c.logprobs is None else len(c.logprobs)))
+            if out.finished:
+                self._sent.pop(out.request_id, None)
+            else:
+                self._sent[out.request_id] = (out.prompt_logprobs, sent)
+            prompt = (out.prompt, out.prompt_token_ids, out.prompt_logprobs) if resend else None
+            items.append((out.request_id, prompt, out.finished, out.error, out.metrics, choices))
+        return items
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._sent.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._sent.clear()
+
+
+class OutputAssembler:
+    """The frontend's side: output deltas back into whole RequestOutputs (each with its own lists, as an in-process
+    engine's). A delta of a request not in `live` (aborted here while the core sent it) is dropped. decode runs on the
+    step thread, forget on the thread that aborts (after taking the request out of `live`): a lock keeps an abort
+    from being undone."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, tuple[tuple, list[list]]] = {}
+        self._lock = threading.Lock()
+
+    def decode(self, items: list, live: set[str]) -> list[RequestOutput]:
+        with self._lock:
+            return self._decode(items, live)
+
+    def _decode(self, items: list, live: set[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id, prompt, finished, error, metrics, choices in items:
+            if request_id not in live:
+                self._requests.pop(request_id, None)
+                continue
+            state = self._requests.get(request_id)
+            if prompt is not None:
+                state = (tuple(prompt), state[1] if state is not None else [])
+            elif state is None:
+                continue
+            last = state[1]
+            completions = []
+            for j, (index, keep_text, text, keep_ids, ids, cumulative, keep_lps, lps, reason, stop) in enumerate(
+                    choices):
+                if j == len(last):
+                    last.append(["", [], []])
+                acc = last[j]
+                acc[0] = (acc[0] if keep_text == len(acc[0]) else acc[0][:keep_text]) + text
+                del acc[1][keep_ids:]
+                acc[1].extend(ids)
+                if lps is not None:
+                    del acc[2][keep_lps:]
+                    acc[2].extend(lps)  # (msgpack keeps the dicts' int keys)
+                completions.append(CompletionOutput(index, acc[0], list(acc[1]), cumulative,
+                                                    None if lps is None else list(acc[2]), reason, stop))
+            del last[len(choices):]
+            if finished:
+                self._requests.pop(request_id, None)
+            else:
+                self._requests[request_id] = state
+            p, p_ids, p_lps = state[0]
+            outputs.append(RequestOutput(request_id, p, p_ids, p_lps, completions, finished, error,
+                                         None if metrics is None else msgspec.convert(metrics, RequestMetrics)))
+        return outputs
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            for request_id in request_ids:
+                self._requests.pop(request_id, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._requests.clear()
 
 
 def core_main(config: EngineConfig, in_addr: str, out_addr: str, parent: int) -> None:
@@ -81,6 +195,7 @@ class EngineCoreLoop:
         self.engine = LLMEngine(config)
         self.inbox, self.outbox, self.enc = inbox, outbox, enc
         self.dec = decoder()
+        self.deltas = OutputDeltas()
         self._grammar_pool: Optional[ThreadPoolExecutor] = None
         self._compiling: set[str] = set()  # requests whose grammar compiles in the pool (an abort takes its id out)
         self._compiled: queue.SimpleQueue = queue.SimpleQueue()  # (the add's arguments, grammar or exception)
@@ -113,13 +228,14 @@ class EngineCoreLoop:
                 outputs = engine.step()
             except StepError as exc:
                 self._send(("fail", exc.stage, type(exc.cause).__name__, str(exc.cause), exc.request_ids,
-                            exc.outputs, engine.get_stats()))
+                            self.deltas.encode(exc.outputs), engine.get_stats()))
+                self.deltas.forget(exc.request_ids)
                 continue
             except TensorParallelError as exc:
                 self._send(("fatal", str(exc)))
                 engine.shutdown(graceful=False)
                 return 1
-            self._send(("out", outputs, engine.get_stats()))
+            self._send(("out", self.deltas.encode(outputs), engine.get_stats()))
 
     def _add(self, args: tuple, grammar: Any) -> None:
         request_id = args[0]
@@ -176,10 +292,12 @@ class EngineCoreLoop:
         elif kind == "abort":
             self._compiling.difference_update(msg[1])
             engine.abort_request(msg[1])
+            self.deltas.forget(msg[1])
             self._send(("stats", engine.get_stats()))  # the freed blocks show in /metrics without a step
         elif kind == "reset":
             dropped = engine.reset() + sorted(self._compiling)
             self._compiling.clear()
+            self.deltas.clear()
             self._send(("reset", dropped, engine.get_stats()))
         elif kind == "stats":
             self._send(("stats", engine.get_stats()))

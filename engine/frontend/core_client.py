@@ -57,6 +57,7 @@ class RemoteEngineCore:
     def __init__(self, config: EngineConfig, proc, ctx: zmq.Context, outbox, inbox, ready: list, folder) -> None:
         self.proc, self._ctx, self._outbox, self._inbox, self._folder = proc, ctx, outbox, inbox, folder
         self._enc, self._dec = core_proc.encoder(), core_proc.decoder()
+        self._outputs = core_proc.OutputAssembler()  # each step's output deltas back into RequestOutputs
         _, resolved, self.vocab_size = ready
         self.config = msgspec.convert(resolved, EngineConfig)
         from transformers import AutoTokenizer
@@ -140,6 +141,7 @@ class RemoteEngineCore:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._send(("abort", ids))
         self._unfinished.difference_update(ids)
+        self._outputs.forget(ids)
         return []
 
     def has_unfinished_requests(self) -> bool:
@@ -159,7 +161,7 @@ class RemoteEngineCore:
             return []
         kind = msg[0]
         if kind == "out":
-            outputs = msgspec.convert(msg[1], list[RequestOutput])
+            outputs = self._outputs.decode(msg[1], self._unfinished)
             self._stats = msgspec.convert(msg[2], EngineStats)
             for out in outputs:
                 if out.finished:
@@ -168,7 +170,8 @@ class RemoteEngineCore:
         if kind == "fail":
             _, stage, type_name, message, ended, outputs, stats = msg
             self._stats = msgspec.convert(stats, EngineStats)
-            outputs = msgspec.convert(outputs, list[RequestOutput])
+            outputs = self._outputs.decode(outputs, self._unfinished)
+            self._outputs.forget(ended)
             self._unfinished.difference_update(ended)
             for out in outputs:
                 if out.finished:
@@ -198,6 +201,7 @@ class RemoteEngineCore:
         _, dropped, stats = self._request(("reset",), "reset")
         self._stats = msgspec.convert(stats, EngineStats)
         self._unfinished.clear()
+        self._outputs.clear()
         return dropped
 
     def shutdown(self, graceful: bool = True) -> None:

@@ -183,3 +183,48 @@ def test_sigterm_drains_the_server_and_its_core(tiny_llama_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _responses(base) -> list:
+    """A mix of what a stream carries across the boundary as deltas: logprobs and prompt logprobs with echo, two
+    seeded samples of one prompt, a stop string that cuts the text back, beam search's choices at the end; each
+    streamed and not. Ids and timestamps left out."""
+    bodies = [
+        dict(max_tokens=10, logprobs=2, echo=True, prompt_logprobs=1),
+        dict(max_tokens=10, n=2, temperature=0.8, seed=7),
+        dict(max_tokens=24, stop=[" the", "e"]),
+        dict(max_tokens=6, n=2, use_beam_search=True, temperature=0.0),
+    ]
+    got = []
+    for body in bodies:
+        body = {"model": "tiny", "prompt": PROMPT, "temperature": 0.0, **body}
+        if not body.get("use_beam_search"):
+            body["ignore_eos"] = True
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"])
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        got.append([c.split('"choices":', 1)[1] for c in chunks])
+    return got
+
+
+@pytest.mark.slow  # two servers, one with its core process: ~30 s on 2 cores
+def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir, tmp_path):
+    """Outputs cross the process boundary as deltas (engine/core_proc.py OutputDeltas): every chunk and every
+    whole response equals the in-process server's."""
+    proc, base, _ = _start(tiny_llama_dir, tmp_path / "core.log")
+    try:
+        remote = _responses(base)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    proc, base = start_server(
+        [str(tiny_llama_dir), "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
+         "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16"], str(tmp_path / "local.log"))
+    try:
+        local = _responses(base)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert remote == local
