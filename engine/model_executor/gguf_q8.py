@@ -8,8 +8,8 @@ Any other GGUF is dequantized to float by transformers, as before (engine/model_
 The linears are read with plain file reads, one at a time, not through a memory map: they are repacked into
 csrc/cpu/q8_gemm.cpp's layout, and mapped pages once read stay in the process's resident set until the map closes,
 the whole file at the load's peak. An untied Q8_0 token embedding is the exception: it is used as the file lays it out
-(a step gathers a few rows), so it stays in a read-only map of the file and only the pages of the tokens looked up
-become resident, file-backed, as llama.cpp's mmap (its ~100 MiB at 1B shapes never packed into anonymous memory).
+(a step gathers a few rows), so it stays in a read-only map of the file, as llama.cpp's mmap (its ~100 MiB at 1B
+shapes never packed into anonymous memory), and the pages a lookup mapped are let go after it (_map_q8's release).
 The file must then stay in place, unchanged, while it is served (as for llama.cpp).
 llama.cpp's converter reorders the rows of q_proj and k_proj for its RoPE (per head, the two halves interleaved);
 a row of Q8_0 holds its own blocks, so the rows are put back in HF's order exactly (transformers' reverse_permute).
@@ -22,7 +22,7 @@ import re
 import struct
 import warnings
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -184,9 +184,12 @@ def _read(f, info: _Info, start: int = 0, nbytes: Optional[int] = None, buf: Opt
     return buf
 
 
-def _map_q8(path: Path, info: _Info) -> torch.Tensor:
+def _map_q8(path: Path, info: _Info) -> tuple[torch.Tensor, Callable[[], None]]:
     """A Q8_0 tensor's bytes, uint8 [rows, K / 32 * 34], through a read-only map of the file: nothing is read until a
-    row is, and then only its pages (no read-ahead around them)."""
+    row is, and then only its pages (no read-ahead around them); and a release() that unmaps the pages read so far
+    (MADV_DONTNEED: they stay in the kernel's page cache, out of the process's resident set). Without it a page
+    fault mapped the cached pages around each row too (the file was just read whole): 36 MiB for one request of 144
+    tokens, and all ~100 MiB after a few hundred distinct tokens."""
     rows, k = info.shape
     row_bytes = -(-k // QK) * Q8_0_BLOCK_BYTES
     if info.nbytes != rows * row_bytes:
@@ -199,7 +202,9 @@ def _map_q8(path: Path, info: _Info) -> torch.Tensor:
     with warnings.catch_warnings():  # "not writable": the rows are only ever gathered (copied) out of it
         warnings.simplefilter("ignore", UserWarning)
         data = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the map open as long as it lives
-    return data[info.offset - start:].view(rows, row_bytes)
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)
+    release = (lambda: mapped.madvise(dontneed)) if dontneed is not None else (lambda: None)
+    return data[info.offset - start:].view(rows, row_bytes), release
 
 
 def _q8_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +319,8 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
         if tied:
             attach_q8_embedding(model.embed_tokens, model.lm_head._small_weight, dtype)
         elif by_hf.get("model.embed_tokens.weight") is not None and by_hf["model.embed_tokens.weight"].kind == "Q8_0":
-            attach_q8_file_embedding(model.embed_tokens, _map_q8(path, by_hf["model.embed_tokens.weight"]), dtype)
+            blocks, release = _map_q8(path, by_hf["model.embed_tokens.weight"])
+            attach_q8_file_embedding(model.embed_tokens, blocks, dtype, release)
         else:  # a float token embedding: quantized into anonymous memory (pack_module)
             emb = model.embed_tokens
             attach_q8_embedding(emb, pack_module(["model.embed_tokens"], emb.num_embeddings, emb.embedding_dim), dtype)

@@ -140,9 +140,24 @@ def _mapped_files(address: int) -> list[str]:
     return files
 
 
+def _mapped_rss_kib(address: int) -> int:
+    """The resident KiB of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(a, 16) for a in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
 def test_q8_0_gguf_untied_embedding_is_read_through_a_map_of_the_file(q8_gguf):
     """An untied Q8_0 token embedding stays in the file (a read-only map, as llama.cpp's mmap), not packed into
-    anonymous memory: the rows are the file's blocks dequantized, and ids out of range are refused."""
+    anonymous memory: the rows are the file's blocks dequantized, ids out of range are refused, and after a lookup
+    none of the map's pages stay resident (the kernel maps cached pages around each row read: the whole file would
+    become resident after a few hundred distinct tokens)."""
     import gguf
 
     model = _load(model=str(q8_gguf))
@@ -153,6 +168,7 @@ def test_q8_0_gguf_untied_embedding_is_read_through_a_map_of_the_file(q8_gguf):
     q, d = raw[..., 2:].contiguous().view(torch.int8).flatten(1), raw[..., :2].contiguous().view(torch.float16)[..., 0]
     ids = torch.tensor([[0, 3], [49151, 17]])
     torch.testing.assert_close(emb(ids), dequantize_q8_0(q, d)[ids], rtol=0, atol=0)
+    assert _mapped_rss_kib(emb._q8_file_blocks.data_ptr()) == 0
     for bad in ([0, -1], [49152]):
         with pytest.raises(IndexError):
             emb(torch.tensor(bad))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import types
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -198,7 +198,10 @@ def _q8_embedding_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.
 def _q8_file_embedding_forward(self: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
     if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings):
         raise IndexError(f"token id out of range [0, {self.num_embeddings}) for an int8 embedding")
-    return q8_file_rows(self._q8_file_blocks, input_ids, self.embedding_dim, self._q8_dtype)
+    rows = q8_file_rows(self._q8_file_blocks, input_ids, self.embedding_dim, self._q8_dtype)
+    if self._q8_file_release is not None:
+        self._q8_file_release()
+    return rows
 
 
 def attach_q8_linear(linear: nn.Linear, packed: torch.Tensor) -> None:
@@ -220,15 +223,16 @@ def attach_q8_embedding(emb: nn.Embedding, packed: torch.Tensor, dtype: torch.dt
     emb.forward = types.MethodType(_q8_embedding_forward, emb)
 
 
-def attach_q8_file_embedding(emb: nn.Embedding, blocks: torch.Tensor, dtype: torch.dtype) -> None:
+def attach_q8_file_embedding(emb: nn.Embedding, blocks: torch.Tensor, dtype: torch.dtype,
+                             release: Optional[Callable[[], None]] = None) -> None:
     """emb gathers its rows from a GGUF's Q8_0 token embedding as the file holds it (blocks: uint8
     [num_embeddings, embedding_dim / 32 * 34], a read-only map of the file: engine/model_executor/gguf_q8.py),
-    dequantized to dtype."""
+    dequantized to dtype; release(), when given, is called after each gather (the map lets go of its pages)."""
     if tuple(blocks.shape) != (emb.num_embeddings, -(-emb.embedding_dim // QK) * Q8_0_BLOCK_BYTES):
         raise ValueError(f"a Q8_0 embedding of {emb.num_embeddings} x {emb.embedding_dim} needs blocks "
                          f"[{emb.num_embeddings}, {-(-emb.embedding_dim // QK) * Q8_0_BLOCK_BYTES}], got "
                          f"{tuple(blocks.shape)}")
-    emb._q8_file_blocks = blocks
+    emb._q8_file_blocks, emb._q8_file_release = blocks, release
     emb._q8_dtype = dtype
     emb.weight = nn.Parameter(emb.weight.new_empty(0), requires_grad=False)
     emb.forward = types.MethodType(_q8_file_embedding_forward, emb)
