@@ -196,7 +196,7 @@ class ModelRunner:
             return self._split_decode(inp, kv_caches, shards, greedy), {}
         result = self.forward(inp, kv_caches, greedy)
         if self._trim_heap is not None and inp.meta.num_prefill_tokens >= TRIM_AFTER_PREFILL_TOKENS:
-            self._trim_heap(0)  # (~0.1 ms against the tens of ms of such a step)
+            self._trim_heap(0)  # 0.3 ms after a 90 ms SmolLM2 128-token prefill, 1.1 ms after a 550 ms 1.17B one
         return result
 
     @torch.inference_mode()
