@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import collections
 import signal
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
@@ -102,16 +102,27 @@ class OutputDeltas:
 class OutputAssembler:
     """The frontend's side: output deltas back into whole RequestOutputs (each with its own lists, as an in-process
     engine's). A delta of a request not in `live` (aborted here while the core sent it) is dropped. decode runs on the
-    step thread, forget on the thread that aborts (after taking the request out of `live`): a lock keeps an abort
-    from being undone."""
+    step thread; forget and clear, called from the thread that aborts or resets, only queue their work for decode's
+    next call, so the event loop never waits on a step's decoding (and an abort racing a decode cannot be undone by
+    it: the forget applies after)."""
 
     def __init__(self) -> None:
         self._requests: dict[str, tuple[tuple, list[list]]] = {}
-        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()  # request ids to forget; None: forget all
 
     def decode(self, items: list, live: set[str]) -> list[RequestOutput]:
-        with self._lock:
-            return self._decode(items, live)
+        self._apply_pending()
+        outputs = self._decode(items, live)
+        self._apply_pending()
+        return outputs
+
+    def _apply_pending(self) -> None:
+        while self._pending:
+            request_id = self._pending.popleft()
+            if request_id is None:
+                self._requests.clear()
+            else:
+                self._requests.pop(request_id, None)
 
     def _decode(self, items: list, live: set[str]) -> list[RequestOutput]:
         outputs = []
@@ -150,13 +161,10 @@ class OutputAssembler:
         return outputs
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        with self._lock:
-            for request_id in request_ids:
-                self._requests.pop(request_id, None)
+        self._pending.extend(request_ids)
 
     def clear(self) -> None:
-        with self._lock:
-            self._requests.clear()
+        self._pending.append(None)
 
 
 def core_main(config: EngineConfig, in_addr: str, out_addr: str, parent: int) -> None:

@@ -63,5 +63,13 @@ def test_an_aborted_request_is_dropped_on_both_sides():
     # a first output (prompt included) of a request aborted before it arrived is not taken up either
     assert _wire(deltas, assembler, [_output("c", [_choice(0, "z", [3])])], live) == []
     assert set(assembler._requests) == {"b"}
+    # an abort that lands while a step's outputs are decoded (its request taken up again by that decode) is
+    # applied at the next decode: forget and clear only queue their work, so an aborting thread never waits
+    assembler.forget(["b"])
+    assert set(assembler._requests) == {"b"}
+    assert _wire(deltas, assembler, [], live - {"b"}) == [] and assembler._requests == {}
+    live.add("d")
+    assert len(_wire(deltas, assembler, [_output("d", [_choice(0, "w", [4])])], live)) == 1
     deltas.clear(), assembler.clear()
+    _wire(deltas, assembler, [], live)  # (the next step's decode applies the clear)
     assert deltas._sent == {} and assembler._requests == {}
