@@ -1,7 +1,8 @@
-"""What int8 weights cost in quality (issue 42): pagedserve's int8 model against its bfloat16 model, measured the way
-llama.cpp's llama-perplexity --kl-divergence measures its Q8_0 against its BF16, on the same text and model.
+"""What quantized weights cost in quality (issue 42): pagedserve's int8 (or fp8) model against its bfloat16 model,
+measured the way llama.cpp's llama-perplexity --kl-divergence measures its Q8_0 against its BF16, on the same text
+and model.
 
-    .venv/bin/python benchmarks/quant_quality.py [--llama-cpp BUILD_DIR --bf16 X.gguf --q8 Y.gguf] [--text FILE]
+    .venv/bin/python benchmarks/quant_quality.py [--quantization fp8] [--llama-cpp BUILD_DIR --bf16 X.gguf --q8 Y.gguf]
 
 Per scored token t (teacher-forced, chunks of --ctx tokens, the second half of each chunk scored, as
 llama-perplexity does): Δlogp = logp_quant(t) - logp_base(t), Δp the same in probability, and whether both put the
@@ -52,11 +53,11 @@ def _stats(base: list[list[dict]], quant: list[list[dict]], prompts: list[list[i
             "same_top1_pct": 100 * sum(same) / n, "max_abs_dlogp": max(map(abs, dlogp))}
 
 
-def pagedserve_side(model: str | None, text: str, ctx: int, chunks: int, dtype: str) -> dict:
+def pagedserve_side(model: str | None, text: str, ctx: int, chunks: int, dtype: str, quantization: str) -> dict:
     from engine import LLM
 
     results = {}
-    for name, quant in (("base", None), ("int8", "int8")):
+    for name, quant in (("base", None), ("quant", quantization)):
         llm = LLM(model, dtype=dtype, quantization=quant or "none", max_model_len=max(ctx, 256), max_logprobs=20)
         tok = llm.get_tokenizer()
         ids = tok.encode(text, add_special_tokens=False)
@@ -66,12 +67,13 @@ def pagedserve_side(model: str | None, text: str, ctx: int, chunks: int, dtype: 
         del llm
     mc_first = [len(tok.encode(c, add_special_tokens=False)) for c, _ in MC_PAIRS]
     mc_diffs = []
-    for (b, q, ids, first) in zip(results["base"][1], results["int8"][1], mc, mc_first):
+    for (b, q, ids, first) in zip(results["base"][1], results["quant"][1], mc, mc_first):
         ll_b = sum(b[i][ids[i]] for i in range(first, len(ids)))
         ll_q = sum(q[i][ids[i]] for i in range(first, len(ids)))
         mc_diffs.append({"per_token": [q[i][ids[i]] - b[i][ids[i]] for i in range(first, len(ids))],
-                         "loglikelihood_base": ll_b, "loglikelihood_int8": ll_q})
-    return {"dtype": dtype, "text": _stats(results["base"][0], results["int8"][0], prompts, ctx // 2),
+                         "loglikelihood_base": ll_b, "loglikelihood_quant": ll_q})
+    return {"dtype": dtype, "quantization": quantization,
+            "text": _stats(results["base"][0], results["quant"][0], prompts, ctx // 2),
             "lm_eval_mc_pairs": mc_diffs}
 
 
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default="int8", choices=["int8", "fp8"],
+                        help="the weights scored against --dtype's (fp8 on a CPU: torch's slow reference matmul)")
     parser.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp build folder (bin/llama-perplexity)")
     parser.add_argument("--bf16", type=Path, default=None)
     parser.add_argument("--q8", type=Path, default=None)
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     text = args.text.read_text()
-    report = {"pagedserve": pagedserve_side(args.model, text, args.ctx, args.chunks, args.dtype)}
+    report = {"pagedserve": pagedserve_side(args.model, text, args.ctx, args.chunks, args.dtype,
+                                                args.quantization)}
     if args.llama_cpp:
         report["llama.cpp"] = llama_cpp_side(args.llama_cpp, args.bf16, args.q8, args.text, args.ctx, args.chunks)
     out = json.dumps(report, indent=2)

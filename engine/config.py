@@ -84,7 +84,7 @@ class EngineConfig:
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("load_format", self.load_format in ("auto", "safetensors", "gguf", "dummy"), "must be auto, safetensors, gguf or dummy"),
-            ("quantization", self.quantization in (None, "int8", "none"), "must be int8 or none"),
+            ("quantization", self.quantization in (None, "int8", "fp8", "none"), "must be int8, fp8 or none"),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
             ("swap_space", self.swap_space >= 0, "must be >= 0"),
             ("kv_cache_space", self.kv_cache_space > 0, "must be > 0"),

@@ -39,9 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     serve.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    serve.add_argument("--quantization", default=None, choices=["int8", "none"],
+    serve.add_argument("--quantization", default=None, choices=["int8", "fp8", "none"],
                        help="int8: the weights quantized at load to llama.cpp's Q8_0 blocks (int8, a float16 scale "
                             "per 32) and multiplied in int8 (CPU only; about half the bytes a decode step reads). "
+                            "fp8: the decoder's linears quantized at load to e4m3 with a scale per output channel, "
+                            "activations per token, through torch's scaled matmul (GPUs of compute capability 8.9+: "
+                            "Ada, Hopper; bfloat16 activations; on a CPU a slow reference, for checking). "
                             "Default: float weights, except a .gguf whose weights are Q8_0, served as they are; "
                             "none: such a file dequantized to --dtype")
     serve.add_argument("--seed", type=int, default=0)

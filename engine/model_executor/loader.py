@@ -172,6 +172,11 @@ def resolve_dtype(config: EngineConfig, hf_config, device: torch.device) -> torc
     1.4-1.65x faster on CPUs with AVX-512 BF16 or AMX (docs/benchmarks.md), but its coarser rounding makes
     a token depend, now and then, on the batch it was computed in: the choice is the user's.
     """
+    if config.quantization == "fp8":  # the scaled matmul's activations and output are bfloat16
+        if config.dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"--quantization fp8 computes in bfloat16: drop --dtype {config.dtype} (or pass "
+                             "--dtype bfloat16)")
+        return torch.bfloat16
     if config.dtype != "auto":
         dtype = _DTYPES[config.dtype]
         if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16() and not (
@@ -278,6 +283,10 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
         from engine.model_executor.layers.quant import quantize_linears
 
         quantize_linears(model)
+    elif quantization == "fp8":
+        from engine.model_executor.layers.fp8 import quantize_linears_fp8
+
+        quantize_linears_fp8(model)
     if pack_cpu_linears and device.type == "cpu":
         pack_linears(model)
     if hasattr(model, "compiled_decode"):
@@ -288,11 +297,22 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
 
 def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, device: torch.device,
                   tp: Optional[TPGroup]) -> Optional[str]:
-    """How the weights are held: None (floats), "int8" (a float checkpoint quantized at load) or "gguf-q8" (a Q8_0
-    GGUF's blocks as they are). A Q8_0 GGUF is served natively unless --quantization none; ValueError where int8
-    was asked for and cannot run."""
+    """How the weights are held: None (floats), "int8" (a float checkpoint quantized at load), "gguf-q8" (a Q8_0
+    GGUF's blocks as they are) or "fp8" (the decoder's linears quantized at load to e4m3). A Q8_0 GGUF is served
+    natively unless --quantization none or fp8 (then dequantized first); ValueError where int8 or fp8 was asked for
+    and cannot run."""
     if config.quantization == "none":
         return None
+    if config.quantization == "fp8":
+        from engine.model_executor.layers.fp8 import fp8_unavailable
+
+        why = fp8_unavailable(device)
+        if why is not None:
+            raise ValueError(f"--quantization fp8: {why}")
+        if device.type == "cpu":
+            logger.warning("--quantization fp8 on a CPU runs torch's reference fp8 matmul, ~25x slower than "
+                           "bfloat16: it is there to check the path; --quantization int8 is the CPU's fast one")
+        return "fp8"
     from engine.model_executor.gguf_q8 import is_q8_gguf
     from engine.model_executor.layers.quant import q8_available
 
