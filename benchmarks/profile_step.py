@@ -194,6 +194,7 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true",
                    help="time --steps single-sequence prefills of --input-len tokens instead of decode steps")
     p.add_argument("--enforce-eager", action="store_true", help="every step op by op (no compiled decode step)")
+    p.add_argument("--quantization", default=None, choices=("int8", "fp8", "none"), help="as serve's flag")
     p.add_argument("--compare-eager", action="store_true",
                    help="A/B in one engine: --steps decode steps in chunks of 8 alternating the compiled step and "
                         "the eager one (with --prefill: prefill by prefill); prints each one's median step time")
@@ -209,7 +210,7 @@ def main() -> None:
     max_len = max(512, args.input_len + args.steps + 32)  # a prompt past max_model_len would be refused
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=max_len, kv_cache_space=0.5, swap_space=0.1,
                                     max_num_seqs=max(256, args.batch), dtype=args.dtype,
-                                    enforce_eager=args.enforce_eager))
+                                    quantization=args.quantization, enforce_eager=args.enforce_eager))
     timer = StageTimer()
     instrument(engine, timer)
     if args.prefill:

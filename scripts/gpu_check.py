@@ -158,7 +158,9 @@ def _profile(work: Path) -> list[str]:
     for path in sorted(work.glob("profile-*.json")):
         data = json.loads(path.read_text())
         parts = ", ".join(f"{k} {v:.2f}" for k, v in data.get("stages_ms", {}).items())
-        lines.append(f"- decode step at batch {data.get('batch', '?')}: {data.get('step_ms', float('nan')):.2f} ms"
+        weights = " (fp8 weights)" if "fp8" in path.name else ""
+        lines.append(f"- decode step at batch {data.get('batch', '?')}{weights}: "
+                     f"{data.get('step_ms', float('nan')):.2f} ms"
                      f"{' (' + parts + ')' if parts else ''}")
     return (["### Decode step (benchmarks/profile_step.py, same model)", ""] + lines + [""]) if lines else []
 

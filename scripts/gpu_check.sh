@@ -16,9 +16,9 @@
 # the engine's probe picked; greedy parity with HF on the random SmolLM2; the served default-model shapes with
 # --load-format dummy; benchmarks/kernels.py (paged decode vs SDPA over a contiguous cache); then on the 1.17B
 # random Llama: benchmarks/throughput.py against HF generate, `pagedserve serve` under benchmarks/serving.py at
-# concurrency 1, 16, 64 and 256 (128 in, 128 out), and benchmarks/profile_step.py at batch 1 and 256. Meant to
-# take at most 5 minutes on an H100 host (each step's seconds are in the report). Exit status 1 if any step
-# failed; the report says which.
+# concurrency 1, 16, 64 and 256 (128 in, 128 out), and benchmarks/profile_step.py at batch 1 and 256 (bfloat16, then
+# --quantization fp8 weights). Meant to take at most 5 minutes on an H100 host (each step's seconds are in the
+# report). Exit status 1 if any step failed; the report says which.
 #
 # Needs on the machine:
 #   - PYTHON: a python with CUDA torch (and transformers, tokenizers, safetensors, numpy, pytest);
@@ -144,7 +144,7 @@ if [ "$cpu_mode" = 1 ]; then
   step cuda-kernel-tests pytest tests/kernels/test_backend.py tests/kernels/test_attention.py -k "backend or refuse or edge"
   step engine-cuda-tests pytest tests/e2e/test_cuda_engine.py tests/e2e/test_prefill_fallback.py -k "not survive"
 else
-  step cuda-kernel-tests pytest tests/kernels -k "cuda or backend"
+  step cuda-kernel-tests pytest tests/kernels tests/model/test_fp8.py -k "cuda or backend"
   step engine-cuda-tests pytest tests/e2e/test_cuda_engine.py tests/e2e/test_prefill_fallback.py \
     tests/e2e/test_tensor_parallel.py -k "cuda or nccl or fallback or probe or sdpa"
 fi
@@ -237,6 +237,9 @@ step serve-sweep serve_sweep
 for b in "${batches[@]}"; do
   step "profile-step-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" --dtype bfloat16 \
     --batch "$b" --steps "$steps" --output-json "$work/profile-$b.json"
+  # fp8 weights (--quantization fp8: torch's scaled matmul): the same step with half the weight bytes.
+  step "profile-step-fp8-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" --dtype bfloat16 \
+    --quantization fp8 --batch "$b" --steps "$steps" --output-json "$work/profile-fp8-$b.json"
 done
 
 # ---- the report
