@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import aiohttp
 import httpx
 
 # Words for --prompt-kind text; random sentences of them tokenize to roughly one token per word.
@@ -68,8 +69,13 @@ def make_requests(args, rng: random.Random) -> list[tuple[object, int, int]]:
     return out
 
 
-async def send(client: httpx.AsyncClient, args, model: str, prompt, prompt_len: int, max_tokens: int) -> RequestResult:
-    """One streamed completion; records chunk arrival times and the token count the server reports."""
+async def send(client: aiohttp.ClientSession, args, model: str, prompt, prompt_len: int,
+               max_tokens: int) -> RequestResult:
+    """One streamed completion; records chunk arrival times and the token count the server reports.
+
+    aiohttp, not httpx: the client shares the machine with the server it measures, and for the same 8,192 streamed
+    tokens (64 streams, tiny model, 2 vCPU Xeon) httpx's line iterator took 1.30 CPU-s, aiohttp 0.35 (the server's
+    TPOT p50 20.1 -> 13.1 ms with the CPU left to it)."""
     res = RequestResult(prompt_len=prompt_len, max_tokens=max_tokens)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
             "stream": True}
@@ -82,15 +88,15 @@ async def send(client: httpx.AsyncClient, args, model: str, prompt, prompt_len: 
     start = time.perf_counter()
     last, usage_tokens, counted = None, None, 0
     try:
-        async with client.stream("POST", args.base_url + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with client.post(args.base_url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in resp.content:  # one SSE line at a time
+                if not line.startswith(b"data:"):
                     continue  # blank separators, ": ping" comments
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -110,7 +116,7 @@ async def send(client: httpx.AsyncClient, args, model: str, prompt, prompt_len: 
                         else:
                             res.itl.append(now - last)
                         last = now
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
         return res
     res.e2e = time.perf_counter() - start
@@ -126,12 +132,14 @@ async def send(client: httpx.AsyncClient, args, model: str, prompt, prompt_len: 
     return res
 
 
-async def probe_health(client: httpx.AsyncClient, base_url: str, interval: float, latencies: list[float]) -> None:
+async def probe_health(client: aiohttp.ClientSession, base_url: str, interval: float,
+                       latencies: list[float]) -> None:
     """GET /health every `interval` seconds until cancelled, each answer's latency (s) appended to `latencies`:
     whether the server's event loop stays responsive under the load."""
     while True:
         t = time.perf_counter()
-        response = await client.get(f"{base_url}/health")
+        async with client.get(f"{base_url}/health") as response:
+            await response.read()
         latencies.append(time.perf_counter() - t)
         response.raise_for_status()
         await asyncio.sleep(interval)
@@ -148,15 +156,15 @@ def plan_requests(args, level: Optional[int]) -> tuple[list, list]:
 
 
 async def run_load(args, model: str, requests: list, concurrency: Optional[int], rate: float,
-                   health: Optional[list[float]] = None, warmups: list = ()) -> tuple[list, float]:
+                   health: Optional[list[float]] = None, warmups: list = ()) -> tuple[list, float, float]:
     """Send every request with at most `concurrency` in flight, arrivals Poisson at `rate` (inf: all at once),
     after the `warmups` one by one (untimed); with `health` (a list), probe /health every --health-interval
-    seconds meanwhile into it."""
+    seconds meanwhile into it. Returns (results, seconds, this client's CPU seconds) of the timed part."""
     limit = concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(args.seed + 1)
-    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=limit + 4)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout), connector=connector) as client:
 
         async def one(req) -> RequestResult:
             async with sem:
@@ -164,7 +172,7 @@ async def run_load(args, model: str, requests: list, concurrency: Optional[int],
 
         for req in warmups:  # untimed: kernel build, allocator, connection setup
             await send(client, args, model, req[0], req[1], min(req[2], 4))
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         probe = None
         if health is not None:
             probe = asyncio.create_task(probe_health(client, args.base_url, args.health_interval, health))
@@ -174,11 +182,11 @@ async def run_load(args, model: str, requests: list, concurrency: Optional[int],
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         if probe is not None:
             probe.cancel()
             await asyncio.gather(probe, return_exceptions=True)
-    return results, duration
+    return results, duration, cpu
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict:
@@ -275,9 +283,13 @@ def main(argv=None) -> int:
             args.num_prompts = max(args.num_prompts_min, int(args.rounds * level))
         warmups, requests = plan_requests(args, level)
         health = [] if args.health_interval > 0 else None
-        results, duration = asyncio.run(run_load(args, model, requests, level, args.request_rate, health, warmups))
+        results, duration, cpu = asyncio.run(run_load(args, model, requests, level, args.request_rate, health,
+                                                      warmups))
         summary = summarize(results, duration, level, args.request_rate)
+        # The client's own CPU: on a machine it shares with the server, what it takes from the server.
+        summary["client_cpu_s"] = cpu
         print_summary(summary)
+        print(f"    client CPU {cpu:.2f} s ({cpu / duration:.0%} of a core)")
         if health:
             summary["health_ms"] = {**_stats(health), "max": max(health) * 1000}
             h = summary["health_ms"]
