@@ -3,6 +3,7 @@ its own stream."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
 import os
@@ -60,23 +61,47 @@ class _Op(enum.Enum):
 
 
 class _RequestStream:
-    """The outputs of one request id, handed from the engine loop to its reader."""
+    """The outputs of one request id, handed from the engine loop to its reader (both on the event loop).
+
+    A RequestOutput holds all of its request's text, tokens and logprobs so far, so an output its reader has not
+    taken yet is replaced by the next one (vLLM V1's output collector does the same): a reader that fell behind,
+    a stream whose client reads slowly or an event loop busy with 256 streams, takes one output, one SSE event,
+    for what several steps made, instead of falling further behind by one event a step. Errors, the end (None)
+    and a finished output are never replaced."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[Union[RequestOutput, BaseException, None]] = asyncio.Queue()
+        self._items: collections.deque[Union[RequestOutput, BaseException, None]] = collections.deque()
+        self._ready = asyncio.Event()
         self.finished = False
+        self.merged = 0  # outputs a newer one replaced before the reader took them
 
     def put(self, item: Union[RequestOutput, BaseException]) -> None:
         if not self.finished:
-            self.queue.put_nowait(item)
+            self._push(item)
 
     def finish(self, item: Union[RequestOutput, BaseException, None] = None) -> None:
         if item is not None:
             self.put(item)
         if not self.finished:
             self.finished = True
-            self.queue.put_nowait(None)
+            self._push(None)
+
+    def _push(self, item: Union[RequestOutput, BaseException, None]) -> None:
+        items = self._items
+        if (items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput)
+                and not items[-1].finished):
+            items[-1] = item
+            self.merged += 1
+        else:
+            items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Union[RequestOutput, BaseException, None]:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
 
 
 class AsyncLLMEngine:
@@ -301,7 +326,7 @@ class AsyncLLMEngine:
         stream = self.add_request(request_id, prompt, prompt_token_ids, params, priority, grammar)
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if item is None:
                     return
                 if isinstance(item, BaseException):
