@@ -60,13 +60,11 @@ class RemoteEngineCore:
         self._outputs = core_proc.OutputAssembler()  # each step's output deltas back into RequestOutputs
         _, resolved, self.vocab_size = ready
         self.config = msgspec.convert(resolved, EngineConfig)
-        from transformers import AutoTokenizer
-
-        from engine.model_executor.loader import _source
+        from engine.model_executor.loader import _source, load_tokenizer
 
         source = _source(self.config)
         self.hf_config = source.hf_config
-        self.tokenizer = AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=True, **source.tokenizer_kwargs)
+        self.tokenizer = load_tokenizer(source)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._structured = None
         self._structured_lock = threading.Lock()

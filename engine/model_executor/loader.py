@@ -44,7 +44,7 @@ class LoadedModel(NamedTuple):
 
     model: torch.nn.Module
     tokenizer: object  # a transformers PreTrainedTokenizer(Fast)
-    hf_config: object  # a transformers PretrainedConfig
+    hf_config: object  # a transformers PretrainedConfig, or a Llama-family GGUF's gguf_meta.GGUFConfig
     device: torch.device
     dtype: torch.dtype
 
@@ -223,8 +223,6 @@ class _Source(NamedTuple):
 
 
 def _source(config: EngineConfig) -> _Source:
-    from transformers import AutoConfig
-
     model_path = Path(config.model).expanduser() if config.model else default_model_path()
     if not model_path.exists():
         raise ValueError(f"--model {config.model!r}: no such folder or file (models are never downloaded).")
@@ -232,13 +230,34 @@ def _source(config: EngineConfig) -> _Source:
     if fmt is LoadFormat.GGUF or model_path.suffix == ".gguf":
         if model_path.suffix != ".gguf":
             raise ValueError(f"--load-format gguf needs a .gguf file, got {model_path}.")
+        from engine.model_executor.gguf_meta import gguf_config
+
         kwargs = dict(gguf_file=model_path.name)
-        hf_config = AutoConfig.from_pretrained(str(model_path.parent), local_files_only=True, **kwargs)
+        # A Llama-family file's config from its metadata: transformers' config classes cost ~100 MiB of modules.
+        hf_config = gguf_config(model_path) or _auto_config(str(model_path.parent), **kwargs)
         tok_source, tok_kwargs = (config.tokenizer, {}) if config.tokenizer else (str(model_path.parent), kwargs)
     else:
-        hf_config = AutoConfig.from_pretrained(str(model_path), local_files_only=True)
+        hf_config = _auto_config(str(model_path))
         tok_source, tok_kwargs = config.tokenizer or str(model_path), {}
     return _Source(model_path, fmt, hf_config, tok_source, tok_kwargs)
+
+
+def _auto_config(folder: str, **kwargs):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
+
+
+def load_tokenizer(source: _Source):
+    """The model's tokenizer: a GGUF's own through its conversion kept in the cache (gguf_meta.gguf_tokenizer),
+    else transformers' AutoTokenizer from source.tokenizer."""
+    if "gguf_file" in source.tokenizer_kwargs:
+        from engine.model_executor.gguf_meta import gguf_tokenizer
+
+        return gguf_tokenizer(source.path, cache_dir())
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=True, **source.tokenizer_kwargs)
 
 
 def load_hf_config(config: EngineConfig):
@@ -252,12 +271,11 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
 
     On CPU the linears are packed for oneDNN (engine/model_executor/layers/cpu_linear.py), which releases their plain weights;
     pack_cpu_linears=False keeps the plain nn.Linear weights (to compare or save them)."""
-    from transformers import AutoTokenizer
-
-    model_path, fmt, hf_config, tok_source, tok_kwargs = _source(config)
+    source = _source(config)
+    model_path, fmt, hf_config = source.path, source.fmt, source.hf_config
     device = resolve_device(config)
     start = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(tok_source, local_files_only=True, **tok_kwargs)
+    tokenizer = load_tokenizer(source)
 
     dtype = resolve_dtype(config, hf_config, device)
     model_cls = get_model_class(hf_config)
@@ -265,7 +283,9 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
         # The RoPE table must cover --max-model-len when it exceeds the checkpoint's (rope-scaled models).
         model = model_cls(hf_config, dtype=dtype, max_len=max(config.max_model_len or 0, model_max_len(hf_config)),
                           tp=tp)
-    model.to_empty(device=device)
+    # model.to_empty(device=device) without its torch.empty_like of meta tensors: that runs torch's Python refs,
+    # which import sympy (~35 MiB held for the server's life).
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     quantization = _quantization(config, model_path, fmt, device, tp)
     if fmt is LoadFormat.DUMMY:

@@ -1,0 +1,178 @@
+"""A GGUF file's config and tokenizer without transformers' GGUF loaders at every start (issue 42: memory).
+
+transformers builds a GGUF's config through its config classes, whose import pulls in sympy and
+torch.distributed.tensor (~100 MiB of resident modules a server keeps), and converts the file's vocabulary into a
+tokenizer on every load. Here the config of a Llama-family file (gguf_config) is read from the file's metadata as
+transformers' GGUF loader maps it, and the tokenizer (gguf_tokenizer) is converted by transformers once, then kept
+under the cache folder as tokenizer.json + tokenizer_config.json (+ chat template) and loaded back with
+PreTrainedTokenizerFast, which imports no config class. A file of another architecture, or a cache that cannot be
+read or written, takes transformers' path as before.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from engine.model_executor.gguf_q8 import _ARRAY, _HeaderReader
+
+logger = logging.getLogger(__name__)
+
+# GGUF <arch>.<key> -> HF config field, as transformers' GGUF loader (integrations/ggml.py) maps them.
+_FIELDS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size", "rope.dimension_count": "head_dim",
+    "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
+# What the config class (LlamaConfig, MistralConfig, Qwen2Config) gives a field the file does not state.
+_DEFAULTS = {
+    "llama": dict(max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+                  attention_bias=False, mlp_bias=False),
+    "mistral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1,
+                    eos_token_id=2, sliding_window=4096),
+    "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, use_sliding_window=False),
+}
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+CACHE_FORMAT = 1  # bump when what a cache entry holds changes
+
+
+class GGUFConfig:
+    """The HF config fields pagedserve reads of a Llama-family GGUF, as transformers' GGUF config gives them."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __repr__(self) -> str:
+        return f"GGUFConfig({', '.join(f'{k}={v!r}' for k, v in sorted(self.__dict__.items()))})"
+
+
+def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """(metadata, tensor names) of a GGUF file: scalar and string values as they are, an array as its length."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        r = _HeaderReader(data)
+        magic, version, n_tensors, n_kv = r.unpack("4sIQQ")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path.name} is not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = r.string()
+            (kind,) = r.unpack("I")
+            if kind == _ARRAY:
+                _, meta[key] = r.unpack("IQ")
+                r.pos -= 12
+                r.skip(kind)
+            else:
+                meta[key] = r.value(kind)
+        names = []
+        for _ in range(n_tensors):
+            names.append(r.string())
+            (n_dims,) = r.unpack("I")
+            r.pos += 8 * n_dims + 12  # dims (u64 each), type (u32), offset (u64)
+    return meta, names
+
+
+def gguf_config(path: Path) -> Optional[GGUFConfig]:
+    """The config of a llama / qwen2 GGUF from its metadata (None for another architecture: transformers builds
+    it). Like transformers: a llama file named exactly "mistral" is a Mistral, the head is tied when the file
+    has no output.weight, the vocabulary's size is the token list's when the file does not state it, and
+    rope scaling keys are not read."""
+    meta, names = read_metadata(path)
+    arch = meta.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        return None
+    model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
+    fields: dict[str, Any] = dict(_DEFAULTS[model_type])
+    for key, field in _FIELDS.items():
+        if f"{arch}.{key}" in meta and not (arch == "qwen2" and field == "head_dim"):  # transformers skips it
+            fields[field] = meta[f"{arch}.{key}"]
+    for field, key in _TOKEN_IDS.items():
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            fields[field] = meta[f"tokenizer.ggml.{key}_token_id"]
+    if "vocab_size" not in fields and "tokenizer.ggml.tokens" in meta:
+        fields["vocab_size"] = meta["tokenizer.ggml.tokens"]
+    missing = [f for f in _REQUIRED + ("vocab_size",) if f not in fields]
+    if missing:
+        raise ValueError(f"{path.name}: the GGUF metadata has no {arch}.* key for {', '.join(missing)}")
+    fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
+    if model_type != "qwen2":
+        fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    fields["rope_parameters"] = {"rope_theta": float(fields.pop("rope_theta")), "rope_type": "default"}
+    return GGUFConfig(model_type=model_type, architectures=None, hidden_act="silu",
+                      tie_word_embeddings="output.weight" not in names, dtype=None, **fields)
+
+
+def _identity(path: Path) -> dict[str, Any]:
+    import tokenizers
+    import transformers
+
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": CACHE_FORMAT,
+            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def gguf_tokenizer(path: Path, cache: Path):
+    """The GGUF's tokenizer (a PreTrainedTokenizerFast): from its conversion under cache/gguf-tokenizers when one
+    was kept for this file (same path, size, mtime, library versions), else converted by transformers and kept."""
+    identity = _identity(path)
+    entry = cache / "gguf-tokenizers" / hashlib.sha256(identity["path"].encode()).hexdigest()[:16]
+    try:
+        if json.loads((entry / "source.json").read_text()) == identity:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(entry), local_files_only=True)
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # a damaged entry: convert again, and replace it
+        logger.warning("the cached tokenizer in %s cannot be read (%s); converting %s's again", entry, e, path.name)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    if getattr(tokenizer, "_tokenizer", None) is not None:  # a fast tokenizer: what tokenizer.json holds
+        try:
+            _keep(tokenizer, identity, entry)
+        except OSError as e:
+            logger.warning("cannot keep %s's tokenizer under %s (%s): every start converts it again", path.name,
+                           entry.parent, e)
+    return tokenizer
+
+
+def _keep(tokenizer, identity: dict[str, Any], entry: Path) -> None:
+    """Save the tokenizer as entry/, whole or not at all (a folder renamed into place), replacing an older one;
+    entries of files that no longer exist are removed."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _prune(entry.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "source.json").write_text(json.dumps(identity) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp's folder is private; a cache is shared
+        for file in tmp.iterdir():
+            os.chmod(file, 0o644)
+        if entry.exists():
+            shutil.rmtree(entry, ignore_errors=True)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not (entry / "source.json").exists():  # not a concurrent start that kept it first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prune(folder: Path) -> None:
+    for source in folder.glob("*/source.json"):
+        try:
+            gone = not Path(json.loads(source.read_text())["path"]).exists()
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if gone:
+            shutil.rmtree(source.parent, ignore_errors=True)
