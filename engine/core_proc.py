@@ -8,19 +8,29 @@ Messages, one msgpack array each (the first item names it):
   core -> frontend: ("ready", config, vocab_size), ("out", [output delta, ...], stats) once per step,
                     ("fail", stage, error type, message, [ended request_id, ...], [output delta, ...], stats)
                     for a StepError, ("refused", request_id, error type, message) for an add the engine refused,
-                    ("stats", stats), ("reset", [dropped request_id, ...], stats), ("problems", [str, ...]),
+                    ("stats", stats) answering "stats", ("aborted", stats) after an abort (figures the frontend takes
+                    in passing), ("reset", [dropped request_id, ...], stats), ("problems", [str, ...]),
                     ("fatal", message)
 An output delta is a RequestOutput as what changed since the request's last one (OutputDeltas): the prompt, its ids
 and prompt logprobs once, then per choice the text, token ids and logprobs each as (kept length, new items). A
 RequestOutput holds the whole text and token ids so far: sent whole, a step at 256 streams of 128 tokens carried
 256 prompts and ~16k token ids, and decoding it took the frontend's step thread ~20 % of a core (py-spy, 2 vCPU).
-The core never outlives the frontend: PR_SET_PDEATHSIG (SIGKILL) and a thread watching its parent end it.
+The core never outlives the frontend: PR_SET_PDEATHSIG (SIGKILL) and a thread watching its parent end it. Under
+tensor parallelism the core is rank 0 and starts the other ranks as LLMEngine does in one process; a rank that dies
+while the core idles ends the core within _RANK_POLL_MS (the frontend then answers 503 and exits 1, as in one
+process). Why the core stopped is also written to the file `fatal_path`, for the frontend to read when it sees the
+exit without having read the "fatal" message (its step thread idle, or racing the exit).
+Test hook, off by default: PAGEDSERVE_CORE_FAULT_INJECTOR="module:factory" in the environment of the process that
+starts the core makes the core call factory(engine) once its LLMEngine is built and set what it returns as the
+engine's fault_injector (engine/faults.py), as the reliability tests set it on an in-process engine. Only the
+server's environment can set it; nothing a request carries can.
 A request whose structured-output grammar the core has not compiled yet is compiled in a thread of the core
 (xgrammar lets go of the GIL) and added when its grammar is ready: a new schema costs its own request's time, not
 every running stream's.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import queue
@@ -41,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 
 _COMPILE_POLL_MS = 10  # idle but compiling: how often the loop looks for a compiled grammar
+_RANK_POLL_MS = 100  # idle under tensor parallelism: how often the loop looks for a rank that died
+FAULT_INJECTOR_ENV = "PAGEDSERVE_CORE_FAULT_INJECTOR"  # the test hook (see above)
 
 
 def encoder() -> msgspec.msgpack.Encoder:
@@ -167,7 +179,8 @@ class OutputAssembler:
         self._pending.append(None)
 
 
-def core_main(config: EngineConfig, in_addr: str, out_addr: str, parent: int) -> None:
+def core_main(config: EngineConfig, in_addr: str, out_addr: str, parent: int,
+              fatal_path: Optional[str] = None) -> None:
     """Entry point of the spawned core process."""
     # The API server decides when to stop (it drains first, then sends "stop"): Ctrl-C or a SIGTERM sent to the
     # whole process group must not end the core under requests in flight.
@@ -181,27 +194,43 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, parent: int) ->
     outbox.connect(out_addr)
     enc = encoder()
     try:
-        code = EngineCoreLoop(config, inbox, outbox, enc).run()
+        code = EngineCoreLoop(config, inbox, outbox, enc, fatal_path).run()
     except BaseException as exc:  # startup failed or the loop broke: say why, then exit non-zero
         logger.exception("the engine core stopped")
-        try:
-            outbox.send(enc.encode(("fatal", f"{type(exc).__name__}: {exc}")))
-        except Exception:
-            pass
+        _say_fatal(outbox, enc, f"{type(exc).__name__}: {exc}", fatal_path)
         code = 1
     outbox.close(linger=2000)
     inbox.close(linger=0)
     os._exit(code)
 
 
+def _say_fatal(outbox, enc, reason: str, fatal_path: Optional[str]) -> None:
+    """Why the core stops for good: in the file the frontend reads when it sees the exit, and as a message."""
+    if fatal_path is not None:
+        try:
+            with open(fatal_path, "w") as f:
+                f.write(reason)
+        except OSError:
+            pass
+    try:
+        outbox.send(enc.encode(("fatal", reason)))
+    except Exception:
+        pass
+
+
 class EngineCoreLoop:
     """The busy loop: while requests are in the engine, apply what arrived and step; idle, wait for a message."""
 
-    def __init__(self, config: EngineConfig, inbox, outbox, enc) -> None:
+    def __init__(self, config: EngineConfig, inbox, outbox, enc, fatal_path: Optional[str] = None) -> None:
         from engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(config)
-        self.inbox, self.outbox, self.enc = inbox, outbox, enc
+        self.inbox, self.outbox, self.enc, self.fatal_path = inbox, outbox, enc, fatal_path
+        hook = os.environ.get(FAULT_INJECTOR_ENV)
+        if hook:
+            module, _, factory = hook.partition(":")
+            self.engine.fault_injector = getattr(importlib.import_module(module), factory)(self.engine)
+            logger.warning("test hook %s=%s: faults are injected into this engine core", FAULT_INJECTOR_ENV, hook)
         self.dec = decoder()
         self.deltas = OutputDeltas()
         self._grammar_pool: Optional[ThreadPoolExecutor] = None
@@ -218,21 +247,26 @@ class EngineCoreLoop:
         from engine.worker.tp_workers import TensorParallelError
 
         engine = self.engine
+        # Under tensor parallelism an idle loop looks at the ranks now and then: one that died ends the core at
+        # once, not at the next request's step (a watcher thread sees the exit; the loop acts on it).
+        idle_ms = None if engine.workers is None else _RANK_POLL_MS
         while True:
             self._add_compiled()
             busy = engine.has_unfinished_requests()
             # Idle: wait for the next message (or, while a grammar compiles, look again soon); busy: take what has
             # arrived and step.
-            while self.inbox.poll(0 if busy else _COMPILE_POLL_MS if self._compiling else None):
+            while self.inbox.poll(0 if busy else _COMPILE_POLL_MS if self._compiling else idle_ms):
                 if not self._handle(self.dec.decode(self.inbox.recv(copy=False))):
                     if self._grammar_pool is not None:
                         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
                     engine.shutdown(graceful=True)
                     return 0
                 busy = engine.has_unfinished_requests()
-            if not busy:
-                continue
             try:
+                if engine.workers is not None:
+                    engine.workers.check()
+                if not busy:
+                    continue
                 outputs = engine.step()
             except StepError as exc:
                 self._send(("fail", exc.stage, type(exc.cause).__name__, str(exc.cause), exc.request_ids,
@@ -240,7 +274,7 @@ class EngineCoreLoop:
                 self.deltas.forget(exc.request_ids)
                 continue
             except TensorParallelError as exc:
-                self._send(("fatal", str(exc)))
+                _say_fatal(self.outbox, self.enc, str(exc), self.fatal_path)
                 engine.shutdown(graceful=False)
                 return 1
             self._send(("out", self.deltas.encode(outputs), engine.get_stats()))
@@ -301,7 +335,7 @@ class EngineCoreLoop:
             self._compiling.difference_update(msg[1])
             engine.abort_request(msg[1])
             self.deltas.forget(msg[1])
-            self._send(("stats", engine.get_stats()))  # the freed blocks show in /metrics without a step
+            self._send(("aborted", engine.get_stats()))  # the freed blocks show in /metrics without a step
         elif kind == "reset":
             dropped = engine.reset() + sorted(self._compiling)
             self._compiling.clear()
@@ -316,13 +350,14 @@ class EngineCoreLoop:
         return True
 
 
-def spawn(config: EngineConfig, in_addr: str, out_addr: str) -> Any:
-    """Start the core process (multiprocessing spawn: a fresh interpreter, no inherited threads or locks)."""
+def spawn(config: EngineConfig, in_addr: str, out_addr: str, fatal_path: Optional[str] = None) -> Any:
+    """Start the core process (multiprocessing spawn: a fresh interpreter, no inherited threads or locks). Not a
+    daemon: under tensor parallelism it starts the other ranks, which a daemonic process may not."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=core_main, args=(config, in_addr, out_addr, os.getpid()), name="engine-core",
-                       daemon=False)
+    proc = ctx.Process(target=core_main, args=(config, in_addr, out_addr, os.getpid(), fatal_path),
+                       name="engine-core", daemon=False)
     proc.start()
     return proc
 

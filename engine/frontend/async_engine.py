@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
-from engine.faults import StepError
+from engine.faults import ADMISSION, StepError
 from engine.platform.memory import find_malloc_trim
 from engine.config import EngineConfig
 from engine.metrics import EngineStats, Metrics, StatLogger
@@ -467,6 +467,14 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except StepError as err:
+            if err.stage == ADMISSION:  # an engine core in its own process refused an add (core_client.py): that
+                # request alone, as _apply fails one here; no step raised, so no fault streak and no reset
+                refused = [(rid, self._admission_error(rid, err.cause)) for rid in err.request_ids]
+                try:
+                    self._loop.call_soon_threadsafe(self._refuse, refused)
+                except RuntimeError:  # the loop closed: nothing reads them any more
+                    pass
+                return err.outputs, self.engine.get_stats(), None
             self._fault_streak += 1
             problems = self.engine.block_problems()
             reset = bool(problems) or self._fault_streak > 1
@@ -550,15 +558,20 @@ class AsyncLLMEngine:
             try:
                 self.engine.add_request(request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
                                         priority=priority, grammar=grammar)
-            except ValueError as exc:
-                refused.append((request_id, exc))
             except Exception as exc:
-                logger.error("admitting request %s failed: %s: %s", request_id, type(exc).__name__, exc,
-                             exc_info=exc)
-                self.engine.abort_request(request_id)  # whatever of it got into a queue
-                refused.append((request_id, RequestFailedError(
-                    f"The engine failed while admitting this request: {type(exc).__name__}: {exc}")))
+                if not isinstance(exc, ValueError):
+                    self.engine.abort_request(request_id)  # whatever of it got into a queue
+                refused.append((request_id, self._admission_error(request_id, exc)))
         return refused
+
+    @staticmethod
+    def _admission_error(request_id: str, exc: BaseException) -> BaseException:
+        """What the reader of a request whose admission raised gets: a ValueError as is (its input is bad, a 400),
+        anything else a RequestFailedError (a 500), logged."""
+        if isinstance(exc, ValueError):
+            return exc
+        logger.error("admitting request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+        return RequestFailedError(f"The engine failed while admitting this request: {type(exc).__name__}: {exc}")
 
     def _refuse(self, refused: list[tuple[str, BaseException]]) -> None:
         """On the loop: the readers of requests whose admission raised get the error."""

@@ -24,7 +24,7 @@ import zmq
 
 from engine import core_proc
 from engine.config import EngineConfig
-from engine.faults import StepError
+from engine.faults import ADMISSION, StepError
 from engine.metrics import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
@@ -41,13 +41,16 @@ class EngineCoreDiedError(RuntimeError):
 
 
 _REMOTE_ERRORS: dict[str, type] = {}
+_FIGURES = ("stats", "aborted")  # messages that only carry the core's figures
 
 
 def _remote_error(type_name: str, message: str) -> BaseException:
-    """An exception named as the core's was (the client reads "<type>: <message>", as in one process)."""
+    """An exception named as the core's was (the client reads "<type>: <message>", as in one process); a ValueError
+    is one (a refused add's bad input: a 400, as in one process)."""
     cls = _REMOTE_ERRORS.get(type_name)
     if cls is None:
-        cls = _REMOTE_ERRORS[type_name] = type(type_name, (RuntimeError,), {})
+        base = ValueError if type_name == "ValueError" else RuntimeError
+        cls = _REMOTE_ERRORS[type_name] = type(type_name, (base,), {})
     return cls(message)
 
 
@@ -85,7 +88,7 @@ class RemoteEngineCore:
         outbox, inbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
         outbox.bind(in_addr)
         inbox.bind(out_addr)
-        proc = core_proc.spawn(config, in_addr, out_addr)
+        proc = core_proc.spawn(config, in_addr, out_addr, str(Path(folder.name) / "fatal"))
         dec = core_proc.decoder()
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
@@ -175,10 +178,10 @@ class RemoteEngineCore:
                 if out.finished:
                     self._unfinished.discard(out.request_id)
             raise StepError(stage, _remote_error(type_name, message), ended, outputs)
-        if kind == "refused":
+        if kind == "refused":  # (AsyncLLMEngine fails that request alone, as an add that raised in one process)
             _, request_id, type_name, message = msg
             self._unfinished.discard(request_id)
-            raise StepError("admission", _remote_error(type_name, message), [request_id])
+            raise StepError(ADMISSION, _remote_error(type_name, message), [request_id])
         raise EngineCoreDiedError(f"the engine core stopped: {msg[1] if len(msg) > 1 else kind}")
 
     def get_stats(self) -> EngineStats:
@@ -235,7 +238,7 @@ class RemoteEngineCore:
             return self._pending.popleft()
         while self._inbox.poll(timeout_ms):
             msg = self._dec.decode(self._inbox.recv(copy=False))
-            if msg[0] != "stats":
+            if msg[0] not in _FIGURES:
                 return msg
             self._stats = msgspec.convert(msg[1], EngineStats)
             timeout_ms = 0
@@ -251,6 +254,9 @@ class RemoteEngineCore:
                 got = self._dec.decode(self._inbox.recv(copy=False))
                 if got[0] == reply:
                     return got
+                if got[0] in _FIGURES:  # an abort's figures: taken in passing, as _next takes them (step() reads
+                    self._stats = msgspec.convert(got[1], EngineStats)  # none)
+                    continue
                 if got[0] == "fatal":
                     raise EngineCoreDiedError(f"the engine core stopped: {got[1]}")
                 self._pending.append(got)
@@ -264,7 +270,13 @@ class RemoteEngineCore:
         wait([self.proc.sentinel])
         if self._stopping:
             return
-        self.dead_reason = f"the engine core process exited (exit code {self.proc.exitcode})"
+        self.proc.join(1.0)  # (its exit code)
+        try:  # why, when the core could say it (it also sends it, but the step thread may not be reading)
+            why = (Path(self._folder.name) / "fatal").read_text()
+        except OSError:
+            why = None
+        self.dead_reason = (f"the engine core stopped: {why}" if why else
+                            f"the engine core process exited (exit code {self.proc.exitcode})")
         logger.error("%s", self.dead_reason)
         if self.on_fatal is not None:
             self.on_fatal(EngineCoreDiedError(self.dead_reason))

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import time
 from typing import Any, Iterator, Optional
 
@@ -19,6 +20,9 @@ sys.path.insert(0, str(ROOT / "tests" / "server"))  # serving_harness: run alone
 sys.path.insert(0, str(ROOT / "scripts"))  # soak.py starts CLI servers for the soak and for these tests
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import core_faults  # noqa: E402
+from engine.core_proc import FAULT_INJECTOR_ENV  # noqa: E402
+from engine.frontend.core_client import RemoteEngineCore  # noqa: E402
 from serving_harness import ServerThread, metric, sse_events  # noqa: E402
 from soak import start_server  # noqa: E402
 
@@ -35,10 +39,15 @@ def record(section: str, figures: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def serve(model_dir: pathlib.Path, **config: Any) -> Iterator[ServerThread]:
+def serve(model_dir: pathlib.Path, core_process: bool = False, faults: bool = False,
+          **config: Any) -> Iterator[ServerThread]:
     """A real uvicorn server (in this process, a thread) around AsyncLLMEngine(LLMEngine(config)).
 
     In-process so a test can read the block manager itself; `server.engine` is the AsyncLLMEngine.
+    core_process: the engine core in a process of its own instead (RemoteEngineCore, as `serve
+    --engine-core-process`); leaked_blocks() then asks the core. faults: the engine's fault_injector is
+    core_faults.by_request_id (requests ask for a fault by their request_id), set through the core's test hook in
+    the core process; `server.fault_log` is the file each fault fired is written to (core_faults.fired reads it).
     """
     from engine.frontend.async_engine import AsyncLLMEngine
     from engine.config import EngineConfig
@@ -47,10 +56,34 @@ def serve(model_dir: pathlib.Path, **config: Any) -> Iterator[ServerThread]:
     fields = dict(model=str(model_dir), max_model_len=128, block_size=16, num_gpu_blocks_override=256,
                   num_cpu_blocks_override=64, seed=0)
     fields.update(config)
-    engine = AsyncLLMEngine.from_config(EngineConfig(**fields), log_stats=False)
-    with ServerThread(create_app(engine, served_model_name="tiny")) as server:
-        server.engine = engine
-        yield server
+    with tempfile.TemporaryDirectory(prefix="pagedserve-faults-") as folder, contextlib.ExitStack() as stack:
+        fault_log = pathlib.Path(folder) / "fired"
+        if faults:  # (the core process copies this environment when it starts)
+            stack.enter_context(_environ({core_faults.LOG_ENV: str(fault_log),
+                                          **({FAULT_INJECTOR_ENV: core_faults.HOOK} if core_process else {})}))
+        if core_process:
+            engine = AsyncLLMEngine(RemoteEngineCore.start(EngineConfig(**fields)), log_stats=False)
+        else:
+            engine = AsyncLLMEngine.from_config(EngineConfig(**fields), log_stats=False)
+            if faults:
+                engine.engine.fault_injector = core_faults.by_request_id(engine.engine)
+        with ServerThread(create_app(engine, served_model_name="tiny")) as server:
+            server.engine, server.fault_log = engine, fault_log
+            yield server
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def wait_engine_idle(server: ServerThread, timeout_s: float = 30.0) -> None:
@@ -64,8 +97,17 @@ def wait_engine_idle(server: ServerThread, timeout_s: float = 30.0) -> None:
 
 
 def leaked_blocks(server: ServerThread) -> dict[str, int]:
-    """Device and swap blocks not in the pool, and block tables still held, read off the block manager."""
-    bm = server.engine.engine.scheduler.block_manager
+    """Device and swap blocks not in the pool, and block tables still held, read off the block manager.
+
+    Of an engine core in its own process: the blocks from its figures, and for "block_tables" the number of broken
+    block invariants it reports (faults.block_problems: in an idle engine every table left is one), asked in the
+    step thread, the one thread that talks to the core."""
+    core = server.engine.engine
+    if isinstance(core, RemoteEngineCore):
+        stats, problems = server.engine._executor.submit(lambda: (core.get_stats(), core.block_problems())).result(60)
+        return {"device_blocks": round(stats.device_cache_usage * stats.num_device_blocks),
+                "cpu_blocks": round(stats.cpu_cache_usage * stats.num_cpu_blocks), "block_tables": len(problems)}
+    bm = core.scheduler.block_manager
     return {
         "device_blocks": bm.num_device_blocks - bm.get_num_free_device_blocks(),
         "cpu_blocks": bm.num_cpu_blocks - bm.get_num_free_cpu_blocks(),

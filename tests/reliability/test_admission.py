@@ -1,6 +1,7 @@
 """What a request brings to its admission: a fault while the engine takes a request fails that request alone (a 500
 in the OpenAI error shape) and the engine serves on; a grammar compiles off the event loop, so /health answers
-while a slow one compiles."""
+while a slow one compiles. The same with the engine core in a process of its own (where the core refuses the add
+after the server sent it)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from core_faults import fired as faults_fired
 from engine.faults import ADMISSION
 from reliability_harness import leaked_blocks, metric, serve, stream_completion, wait_engine_idle
 
@@ -21,40 +23,37 @@ SLOW_SCHEMA = {"type": "object", "properties": {
     for j in range(100)}}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir):
+@pytest.fixture(scope="module", params=["in-process", "core-process"])
+def server(tiny_llama_dir, request):
     # No grammar is kept: a spec compiles wherever the server asks for it (as one that fell out of the cache).
-    with serve(tiny_llama_dir, max_model_len=128, max_num_seqs=4, num_gpu_blocks_override=64,
-               grammar_cache_mb=0) as s:
+    # A request asks for an admission fault by its request_id (core_faults.py).
+    with serve(tiny_llama_dir, core_process=request.param == "core-process", faults=True, max_model_len=128,
+               max_num_seqs=4, num_gpu_blocks_override=64, grammar_cache_mb=0) as s:
         yield s
 
 
 def test_a_fault_admitting_one_request_fails_it_alone(server):
+    """Three victims: one alone, then two at once (admitted together: two faults in a row are still no step's)."""
     engine, base = server.engine, server.base_url
-
-    def fault(stage: str, request_ids: list[str]) -> None:
-        if stage == ADMISSION and "victim" in request_ids[0]:
-            raise KeyError("injected admission fault")
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as client:
             url = base + "/v1/completions"
             other = asyncio.create_task(stream_completion(client, url, {**SHORT, "max_tokens": 40, "prompt": [7] * 8}))
-            while not engine.engine.scheduler.running:  # the other request is decoding when the victims arrive
+            while not engine.get_stats().num_running:  # the other request is decoding when the victims arrive
                 await asyncio.sleep(0.005)
-            plain = await client.post(url, json={**SHORT, "request_id": "victim-1"})
-            streamed = await stream_completion(client, url, {**SHORT, "request_id": "victim-2"})
-            return plain, streamed, await other
+            plain = await client.post(url, json={**SHORT, "request_id": "fault-admission-1-a"})
+            streamed, plain2 = await asyncio.gather(
+                stream_completion(client, url, {**SHORT, "request_id": "fault-admission-1-b"}),
+                client.post(url, json={**SHORT, "request_id": "fault-admission-1-c"}))
+            return plain, plain2, streamed, await other
 
-    engine.engine.fault_injector = fault
-    try:
-        plain, streamed, other = asyncio.run(scenario())
-    finally:
-        engine.engine.fault_injector = None
-    assert plain.status_code == 500, plain.text
-    err = plain.json()["error"]
-    assert err["type"] == "InternalServerError" and err["code"] == 500
-    assert "admitting this request: KeyError" in err["message"] and "injected admission fault" in err["message"]
+    plain, plain2, streamed, other = asyncio.run(scenario())
+    for r in (plain, plain2):
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "InternalServerError" and err["code"] == 500
+        assert "admitting this request: KeyError" in err["message"] and "injected fault at admission" in err["message"]
     assert streamed["status"] == 200 and streamed["done"] and streamed["error"]["code"] == 500, streamed
     assert other["status"] == 200 and other["error"] is None and other["usage"]["completion_tokens"] == 40, other
     assert engine.is_ready and not engine.errored
@@ -62,7 +61,9 @@ def test_a_fault_admitting_one_request_fails_it_alone(server):
     r = httpx.post(base + "/v1/completions", json=SHORT, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     text = httpx.get(base + "/metrics", timeout=10).text
-    assert metric(text, "pagedserve:request_failures_total", 'reason="admission_fault"') == 2
+    assert metric(text, "pagedserve:request_failures_total", 'reason="admission_fault"') == 3
+    assert metric(text, "pagedserve:engine_resets_total") == 0
+    assert [stage for stage, _ in faults_fired(server.fault_log)] == [ADMISSION] * 3
     wait_engine_idle(server)
     assert leaked_blocks(server) == NO_LEAK
 

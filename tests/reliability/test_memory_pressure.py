@@ -89,9 +89,11 @@ def reference(tiny_llama_dir, bodies):
     return reference_texts(tiny_llama_dir, bodies)
 
 
-def test_48_requests_under_pressure_match_unpressured_run(tiny_llama_dir, bodies, reference):
-    with serve(tiny_llama_dir, max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=PRESSURED_BLOCKS,
-               num_cpu_blocks_override=256, max_num_seqs=64) as server:
+@pytest.mark.parametrize("mode", ["in-process", "core-process"])
+def test_48_requests_under_pressure_match_unpressured_run(tiny_llama_dir, bodies, reference, mode):
+    """Also with the engine core in a process of its own: preempted by recompute and by swap there, the same texts."""
+    with serve(tiny_llama_dir, core_process=mode == "core-process", max_model_len=MAX_MODEL_LEN,
+               num_gpu_blocks_override=PRESSURED_BLOCKS, num_cpu_blocks_override=256, max_num_seqs=64) as server:
         results = asyncio.run(send_all(server.base_url, bodies))
         wait_engine_idle(server)
         text = httpx.get(server.base_url + "/metrics").text
@@ -99,7 +101,7 @@ def test_48_requests_under_pressure_match_unpressured_run(tiny_llama_dir, bodies
         idle = gauges(server.base_url)
     by_mode = {mode: metric(text, "pagedserve:num_preemptions_by_mode_total", f'mode="{mode}"')
                for mode in ("recompute", "swap")}
-    record("memory_pressure", {"requests": len(bodies), "device_blocks": PRESSURED_BLOCKS,
+    record("memory_pressure" + ("_core_process" if mode == "core-process" else ""), {"requests": len(bodies), "device_blocks": PRESSURED_BLOCKS,
                                "completed": sum(r["status"] == 200 and r["error"] is None for r in results),
                                "preemptions": by_mode, "blocks_leaked": sum(leaks.values())})
     assert [r["status"] for r in results] == [200] * len(bodies), [r["error"] for r in results if r["error"]]

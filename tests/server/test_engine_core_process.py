@@ -1,9 +1,12 @@
 """`pagedserve serve --engine-core-process`: the engine core in a process of its own, reached over ZMQ. What the
 server promises holds across the boundary: the same tokens as the offline engine, an abandoned stream's blocks
 freed, and when the core dies, /health says 503, the streams in flight end with an error and the server exits 1;
-when the server is killed with SIGKILL, no core process is left behind."""
+when the server is killed with SIGKILL, no core process is left behind. The SIGTERM and SIGKILL tests run two
+tensor-parallel ranks: the core is rank 0 and spawns rank 1, which streams the tokens of one rank and leaves with
+the core."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -12,7 +15,7 @@ import time
 import httpx
 import psutil
 import pytest
-from serving_harness import wait_idle
+from serving_harness import metric, wait_idle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -21,14 +24,32 @@ from soak import start_server  # noqa: E402  (scripts/soak.py: the tests' CLI se
 PROMPT = [1450, 2001, 314, 9054, 28, 3022]
 
 
-def _start(model_dir, log_path):
+def _start(model_dir, log_path, *extra):
     proc, base = start_server(
         [str(model_dir), "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
          "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16", "--engine-core-process",
-         "--log-stats-interval", "1", "--shutdown-timeout", "5"], str(log_path))
-    cores = psutil.Process(proc.pid).children(recursive=True)
+         "--log-stats-interval", "1", "--shutdown-timeout", "5", *extra], str(log_path))
+    cores = psutil.Process(proc.pid).children(recursive=True)  # the core (and its ranks), the resource tracker
     assert cores, "no engine core process"
     return proc, base, cores
+
+
+def _two_ranks(proc, cores) -> None:
+    """-tp 2: the core (the server's child) spawned rank 1 (its child)."""
+    spawned = [p for p in cores if "spawn_main" in " ".join(p.cmdline())]
+    assert sorted(p.ppid() == proc.pid for p in spawned) == [False, True], [(p.pid, p.ppid()) for p in spawned]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama_dir):
+    """The offline engine's greedy text of PROMPT in one process, one rank: {max_tokens: text}."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_gpu_blocks_override=64,
+              num_cpu_blocks_override=16)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 60)]
+    outs = llm.generate(prompt_token_ids=[PROMPT, PROMPT], sampling_params=params, use_tqdm=False)
+    return {p.max_tokens: o.outputs[0].text for p, o in zip(params, outs)}
 
 
 def _complete(base, **body):
@@ -90,17 +111,11 @@ def _streams_flow_while_a_grammar_compiles(base):
 
 
 @pytest.mark.slow  # a server and its core process: ~35 s on 2 cores
-def test_the_core_process_serves_aborts_and_its_death_ends_the_server(tiny_llama_dir, tmp_path):
-    from engine import LLM, SamplingParams
-
+def test_the_core_process_serves_aborts_and_its_death_ends_the_server(tiny_llama_dir, tmp_path, one_rank):
     proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log")
     try:
         served = _complete(base, max_tokens=12)
-        offline = LLM(model=str(tiny_llama_dir), max_model_len=256, dtype="float32", num_gpu_blocks_override=64,
-                      num_cpu_blocks_override=16).generate(
-            prompt_token_ids=[PROMPT], sampling_params=SamplingParams(temperature=0.0, max_tokens=12,
-                                                                      ignore_eos=True), use_tqdm=False)[0]
-        assert served["text"] == offline.outputs[0].text
+        assert served["text"] == one_rank[12]
 
         # A new schema compiles in a thread of the core: the streams running meanwhile keep their pace.
         _streams_flow_while_a_grammar_compiles(base)
@@ -146,8 +161,10 @@ def test_the_core_process_serves_aborts_and_its_death_ends_the_server(tiny_llama
 
 @pytest.mark.slow
 def test_no_core_process_outlives_a_server_killed_with_sigkill(tiny_llama_dir, tmp_path):
-    proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log")
+    """Nor the rank the core spawned (PR_SET_PDEATHSIG down the chain: server -> core -> rank)."""
+    proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log", "-tp", "2")
     try:
+        _two_ranks(proc, cores)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         gone, alive = psutil.wait_procs(cores, timeout=10)
@@ -159,11 +176,19 @@ def test_no_core_process_outlives_a_server_killed_with_sigkill(tiny_llama_dir, t
 
 
 @pytest.mark.slow
-def test_sigterm_drains_the_server_and_its_core(tiny_llama_dir, tmp_path):
-    proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log")
+def test_sigterm_drains_the_server_and_its_core(tiny_llama_dir, tmp_path, one_rank):
+    """Two ranks: a stream, and a request in flight at SIGTERM, get the text of one rank; then every process ends."""
+    proc, base, cores = _start(tiny_llama_dir, tmp_path / "server.log", "-tp", "2")
     try:
         import threading
 
+        _two_ranks(proc, cores)
+        with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0,
+                                "ignore_eos": True, "stream": True}) as r:
+            events = [json.loads(line[5:]) for line in r.iter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == one_rank[12]
         result = {}
 
         def run():
@@ -175,6 +200,7 @@ def test_sigterm_drains_the_server_and_its_core(tiny_llama_dir, tmp_path):
         proc.send_signal(signal.SIGTERM)
         t.join(60)
         assert result["choice"]["finish_reason"] == "length"  # the request in flight finished
+        assert result["choice"]["text"] == one_rank[60]
         assert proc.wait(timeout=60) == 0
         gone, alive = psutil.wait_procs(cores, timeout=10)
         assert not alive, [p.pid for p in alive]
@@ -188,12 +214,14 @@ def test_sigterm_drains_the_server_and_its_core(tiny_llama_dir, tmp_path):
 def _responses(base) -> list:
     """A mix of what a stream carries across the boundary as deltas: logprobs and prompt logprobs with echo, two
     seeded samples of one prompt, a stop string that cuts the text back, beam search's choices at the end; each
-    streamed and not. Ids and timestamps left out."""
+    streamed and not; a prompt of two full blocks that the prefix cache serves the second time (with logprobs, which
+    tell a block computed from one read from the cache, were that wrong). Ids and timestamps left out."""
     bodies = [
         dict(max_tokens=10, logprobs=2, echo=True, prompt_logprobs=1),
         dict(max_tokens=10, n=2, temperature=0.8, seed=7),
         dict(max_tokens=24, stop=[" the", "e"]),
         dict(max_tokens=6, n=2, use_beam_search=True, temperature=0.0),
+        dict(max_tokens=6, logprobs=1, prompt=PROMPT * 45),  # 270 tokens: two 128-token blocks
     ]
     got = []
     for body in bodies:
@@ -204,27 +232,46 @@ def _responses(base) -> list:
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"])
         with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
-        got.append([c.split('"choices":', 1)[1] for c in chunks])
+            chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data: {")]
+        got.append(_joined(chunks))
     return got
+
+
+def _joined(chunks: list[dict]) -> dict:
+    """A stream's choices, each joined from its chunks: text, logprobs lists, finish and stop reason. (Not the
+    chunks themselves: how outputs fall into chunks depends on how fast the reader reads, since an output the
+    reader has not taken yet is replaced by the request's next one, engine/frontend/async_engine.py.)"""
+    choices: dict = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            j = choices.setdefault(c["index"], {"text": "", "logprobs": {}, "finish_reason": None, "stop_reason": None})
+            j["text"] += c["text"]
+            for key, values in (c.get("logprobs") or {}).items():
+                j["logprobs"].setdefault(key, []).extend(values)
+            if c.get("finish_reason") is not None:
+                j["finish_reason"], j["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+    return choices
 
 
 @pytest.mark.slow  # two servers, one with its core process: ~30 s on 2 cores
 def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir, tmp_path):
-    """Outputs cross the process boundary as deltas (engine/core_proc.py OutputDeltas): every chunk and every
-    whole response equals the in-process server's."""
-    proc, base, _ = _start(tiny_llama_dir, tmp_path / "core.log")
+    """Outputs cross the process boundary as deltas (engine/core_proc.py OutputDeltas): every stream and every
+    whole response equals the in-process server's, prefix caching on in both."""
+    proc, base, _ = _start(tiny_llama_dir, tmp_path / "core.log", "--enable-prefix-caching", "--max-model-len", "512")
     try:
         remote = _responses(base)
+        hit_rate = metric(httpx.get(base + "/metrics", timeout=10).text, "pagedserve:prefix_cache_hit_rate")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     proc, base = start_server(
-        [str(tiny_llama_dir), "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
-         "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16"], str(tmp_path / "local.log"))
+        [str(tiny_llama_dir), "--served-model-name", "tiny", "--max-model-len", "512", "--dtype", "float32",
+         "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16", "--enable-prefix-caching"],
+        str(tmp_path / "local.log"))
     try:
         local = _responses(base)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+    assert hit_rate > 0  # the core's prefix cache served the long prompt's second request
     assert remote == local

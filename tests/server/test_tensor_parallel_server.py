@@ -1,5 +1,7 @@
 """`pagedserve serve --tensor-parallel-size 2` as processes: a torchrun-style launch of two ranks over loopback,
-a rank killed mid-stream, SIGTERM, and the startup failures (port in use, a rank that never joins)."""
+a rank killed mid-stream, SIGTERM, and the startup failures (port in use, a rank that never joins). With
+--engine-core-process the engine core is rank 0 and spawns rank 1: a rank that dies while the core idles stops the
+server at once (tests/server/test_engine_core_process.py runs its SIGTERM and SIGKILL tests with two ranks)."""
 from __future__ import annotations
 
 import json
@@ -82,17 +84,24 @@ def _assert_gone(pids: list[int], timeout_s: float = 10.0) -> None:
     assert left == {}, "processes outlived the server"
 
 
-def _rank_processes(server_pid: int) -> list[int]:
-    """The spawned ranks among the server's children (not multiprocessing's resource tracker)."""
-    ranks = []
+def _spawned(server_pid: int) -> list[int]:
+    """The processes below the server that multiprocessing spawned (not its resource tracker)."""
+    found = []
     for pid in _descendants(server_pid):
         try:
             cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         if b"spawn_main" in cmdline:
-            ranks.append(pid)
-    return ranks
+            found.append(pid)
+    return found
+
+
+def _rank_processes(server_pid: int) -> list[int]:
+    """The spawned ranks below the server (not the engine core process, which spawns them with
+    --engine-core-process: the spawned processes that spawned none themselves)."""
+    spawned = _spawned(server_pid)
+    return [pid for pid in spawned if not set(_descendants(pid)) & set(spawned)]
 
 
 def _completion(base: str, **body) -> dict:
@@ -142,12 +151,29 @@ def test_torchrun_launch_of_two_ranks_serves_the_tokens_of_one(tiny_llama_dir, t
                 p.wait()
 
 
+def _greedy_tokens(base: str, stream: bool) -> tuple[list[int], list[float]]:
+    """The token ids and their logprobs of tp1_reference's request, streamed or not."""
+    body = {"model": MODEL, "prompt": [1, 504, 3458, 282, 4649, 314], "max_tokens": 8, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 1, "return_tokens_as_token_ids": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                      if line.startswith("data:") and line != "data: [DONE]"]
+        logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    else:
+        logprobs = [_completion(base, **body)["choices"][0]["logprobs"]]
+    tokens = [int(t.removeprefix("token_id:")) for lp in logprobs for t in lp["tokens"]]
+    return tokens, [x for lp in logprobs for x in lp["token_logprobs"]]
+
+
 @pytest.fixture
-def spawned_server(tiny_llama_dir, tmp_path):
-    """A TP=2 server whose rank 1 it spawned itself; yields (process, base URL, log)."""
+def spawned_server(tiny_llama_dir, tmp_path, request):
+    """A TP=2 server whose rank 1 it spawned itself (parametrized "core-process": its engine core process spawned
+    it); yields (process, base URL, log)."""
     port = free_port()
     log = tmp_path / "server.log"
-    proc = _start(_serve_cmd(tiny_llama_dir, port), log)
+    extra = ("--engine-core-process",) if getattr(request, "param", "in-process") == "core-process" else ()
+    proc = _start(_serve_cmd(tiny_llama_dir, port, *extra), log)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base, log)
@@ -158,11 +184,16 @@ def spawned_server(tiny_llama_dir, tmp_path):
             proc.wait()
 
 
-def test_sigterm_ends_every_rank(spawned_server):
+def test_sigterm_ends_every_rank(spawned_server, tp1_reference):
+    """Two ranks stream the greedy tokens of one (logprobs within 1e-3); SIGTERM ends the server and every rank."""
     proc, base, log = spawned_server
     ranks = _rank_processes(proc.pid)
     assert len(ranks) == 1, "one spawned rank for --tensor-parallel-size 2"
-    _completion(base, prompt="Hello", max_tokens=4)
+    ref_tokens, ref_logprobs = tp1_reference
+    for stream in (False, True):
+        tokens, logprobs = _greedy_tokens(base, stream)
+        assert tokens == ref_tokens, stream
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-3, stream
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
@@ -202,6 +233,30 @@ def test_a_rank_killed_mid_stream_fails_its_requests_and_stops_the_server(spawne
     with pytest.raises((httpx.HTTPError, AssertionError)):
         assert httpx.get(base + "/health", timeout=2).status_code == 200
     assert proc.wait(timeout=30) == 1, log.read_text()[-3000:]
+    _assert_gone(family)
+
+
+@pytest.mark.parametrize("spawned_server", ["core-process"], indirect=True)
+def test_a_rank_that_dies_while_the_core_idles_stops_the_server_at_once(spawned_server):
+    """No request in flight, so no step to fail: the core still sees the rank's exit (it looks between messages),
+    /health turns 503 within a second, and the server exits 1 naming the rank, leaving no process behind."""
+    proc, base, log = spawned_server
+    (rank,) = _rank_processes(proc.pid)
+    family = _descendants(proc.pid)
+    os.kill(rank, signal.SIGKILL)
+    killed = time.monotonic()
+    while True:
+        try:
+            health: Optional[int] = httpx.get(base + "/health", timeout=2).status_code
+        except httpx.HTTPError:
+            health = None  # already going down
+        if health != 200:
+            break
+        assert time.monotonic() - killed < 1.0, "/health still 200 a second after a rank died"
+        time.sleep(0.02)
+    assert proc.wait(timeout=30) == 1, log.read_text()[-3000:]
+    assert "exiting with status 1: the engine stopped" in log.read_text()
+    assert f"tensor-parallel rank 1 (pid {rank}) exited" in log.read_text().split("exiting with status 1")[1]
     _assert_gone(family)
 
 
