@@ -163,7 +163,9 @@ async def run_load(args, model: str, requests: list, concurrency: Optional[int],
     limit = concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(args.seed + 1)
-    connector = aiohttp.TCPConnector(limit=limit + 4)
+    # A connection per request: llama-server closes kept-alive connections under load, and aiohttp does not retry
+    # a POST whose pooled connection the server had closed (4 of 64 requests failed at 32 streams).
+    connector = aiohttp.TCPConnector(limit=limit + 4, force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout), connector=connector) as client:
 
         async def one(req) -> RequestResult:
