@@ -79,3 +79,17 @@ def wait_idle(base_url: str, timeout_s: float = 2.0, idle_usage: float = 0.0) ->
         if idle or waited > timeout_s:
             return waited, values
         time.sleep(0.05)
+
+
+def wait_unhealthy(base_url: str, since: float, within_s: float) -> None:
+    """Poll /health until it is no longer 200 (or the server is gone); fail if it still is `within_s` seconds
+    after `since` (a time.monotonic())."""
+    while True:
+        try:
+            status: Optional[int] = httpx.get(base_url + "/health", timeout=2).status_code
+        except httpx.HTTPError:
+            status = None  # already going down
+        if status != 200:
+            return
+        assert time.monotonic() - since < within_s, f"/health still 200 {within_s:g} s after the fault"
+        time.sleep(0.02)
