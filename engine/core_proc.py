@@ -119,7 +119,9 @@ class OutputAssembler:
     it: the forget applies after)."""
 
     def __init__(self) -> None:
-        self._requests: dict[str, tuple[tuple, list[list]]] = {}
+        # request id -> [(prompt, ids, prompt logprobs), each choice's [text, ids, logprobs], the metrics as sent,
+        # their RequestMetrics (converted again only when they change: thrice in a request's life)]
+        self._requests: dict[str, list] = {}
         self._pending: collections.deque = collections.deque()  # request ids to forget; None: forget all
 
     def decode(self, items: list, live: set[str]) -> list[RequestOutput]:
@@ -144,7 +146,7 @@ class OutputAssembler:
                 continue
             state = self._requests.get(request_id)
             if prompt is not None:
-                state = (tuple(prompt), state[1] if state is not None else [])
+                state = [tuple(prompt), state[1] if state is not None else [], None, None]
             elif state is None:
                 continue
             last = state[1]
@@ -167,9 +169,11 @@ class OutputAssembler:
                 self._requests.pop(request_id, None)
             else:
                 self._requests[request_id] = state
+            if metrics is not None and metrics != state[2]:
+                state[2], state[3] = metrics, msgspec.convert(metrics, RequestMetrics)
             p, p_ids, p_lps = state[0]
             outputs.append(RequestOutput(request_id, p, p_ids, p_lps, completions, finished, error,
-                                         None if metrics is None else msgspec.convert(metrics, RequestMetrics)))
+                                         None if metrics is None else state[3]))
         return outputs
 
     def forget(self, request_ids: Iterable[str]) -> None:

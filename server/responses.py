@@ -117,7 +117,7 @@ async def create(ctx: ServerContext, request: Request, body: ResponsesRequest) -
 
 
 async def _events(ctx: ServerContext, job: Job, body: ResponsesRequest,
-                  messages: list[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
+                  messages: list[dict[str, str]]) -> AsyncIterator[bytes]:
     """The Responses stream: lifecycle, the message item and its one text part, text deltas, then completion."""
     seq = itertools.count()
     item_id = f"msg_{uuid.uuid4().hex}"
@@ -144,7 +144,7 @@ async def _events(ctx: ServerContext, job: Job, body: ResponsesRequest,
         err = streaming.engine_error(exc)
         payload = {"type": "error", "sequence_number": next(seq), "code": str(err.status), "message": err.message,
                    "param": err.param}
-        yield {"event": "error", "data": streaming.sse_json(json.dumps(payload, ensure_ascii=False))}
+        yield streaming.sse_event(json.dumps(payload, ensure_ascii=False), "error")
         return
     if final is None:  # OpenAI's end of a response that failed: response.failed, its error and partial output
         failed = _failed(job, body, _message(item_id, text, "incomplete"))
@@ -164,5 +164,5 @@ async def _events(ctx: ServerContext, job: Job, body: ResponsesRequest,
     _keep(ctx, body, response, messages, text)
 
 
-def _event(event: Any) -> dict[str, str]:
-    return {"event": event.type, "data": streaming.sse_json(event.model_dump_json())}
+def _event(event: Any) -> bytes:
+    return streaming.sse_event(event.model_dump_json(), event.type)

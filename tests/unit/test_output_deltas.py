@@ -11,8 +11,10 @@ from engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 
 def _output(rid, choices, finished=False, prompt_logprobs=None, error=None):
+    # the metrics as the engine's change: the first token's time once there is one, the finish time at the end
     return RequestOutput(rid, "a prompt", [1, 2, 3], prompt_logprobs, choices, finished, error,
-                         RequestMetrics(arrival_time=1.0, first_token_time=2.0))
+                         RequestMetrics(arrival_time=1.0, first_token_time=2.0 if choices else None,
+                                        finished_time=4.0 if finished else None))
 
 
 def _choice(index, text, ids, logprobs=None, reason=None, stop=None):
