@@ -15,6 +15,9 @@ An output delta is a RequestOutput as what changed since the request's last one 
 and prompt logprobs once, then per choice the text, token ids and logprobs each as (kept length, new items). A
 RequestOutput holds the whole text and token ids so far: sent whole, a step at 256 streams of 128 tokens carried
 256 prompts and ~16k token ids, and decoding it took the frontend's step thread ~20 % of a core (py-spy, 2 vCPU).
+Text: the core decodes only the requests whose text it reads itself (stop strings, beam search, best_of); the
+others' choices carry token ids only, and the frontend's OutputAssembler decodes them (vLLM V1 detokenizes in its
+API server too), so the core's step does not pay for it.
 The core never outlives the frontend: PR_SET_PDEATHSIG (SIGKILL) and a thread watching its parent end it. Under
 tensor parallelism the core is rank 0 and starts the other ranks as LLMEngine does in one process; a rank that dies
 while the core idles ends the core within _RANK_POLL_MS (the frontend then answers 503 and exits 1, as in one
@@ -111,18 +114,44 @@ class OutputDeltas:
         self._sent.clear()
 
 
+class _Text:
+    """One choice's text, decoded on the API server's side: what the Detokenizer reads and writes of a Sequence."""
+
+    __slots__ = ("prompt_token_ids", "output_token_ids", "output_text", "detok", "last", "ended")
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self.prompt_token_ids, self.output_token_ids, self.output_text = prompt_token_ids, [], ""
+        self.detok = None  # the Detokenizer's stream
+        self.last = 0  # characters the last token decoded added
+        self.ended = False
+
+
 class OutputAssembler:
     """The frontend's side: output deltas back into whole RequestOutputs (each with its own lists, as an in-process
     engine's). A delta of a request not in `live` (aborted here while the core sent it) is dropped. decode runs on the
     step thread; forget and clear, called from the thread that aborts or resets, only queue their work for decode's
     next call, so the event loop never waits on a step's decoding (and an abort racing a decode cannot be undone by
-    it: the forget applies after)."""
+    it: the forget applies after).
 
-    def __init__(self) -> None:
-        # request id -> [(prompt, ids, prompt logprobs), each choice's [text, ids, logprobs], the metrics as sent,
-        # their RequestMetrics (converted again only when they change: thrice in a request's life)]
+    Detokenization is done here, as vLLM V1's API server does it, for every request registered with decode_text
+    (all but those whose text the engine reads itself: engine/detokenizer.py engine_reads_text): the core sends
+    their token ids only, and the same incremental Detokenizer turns them into text here, ending it as the engine's
+    stop checks would (an EOS or stop token's own text left out unless include_stop_str_in_output; a length cap
+    flushes bytes held back for an unfinished character). That work leaves the core's step, which is what feeds
+    the model."""
+
+    def __init__(self, detokenizer: Optional[Any] = None) -> None:
+        # request id -> [(prompt, ids, prompt logprobs), each choice's [text, ids, logprobs, _Text], the metrics as
+        # sent, their RequestMetrics (converted again only when they change: thrice in a request's life)]
         self._requests: dict[str, list] = {}
         self._pending: collections.deque = collections.deque()  # request ids to forget; None: forget all
+        self._detokenizer = detokenizer
+        # request id -> (skip_special_tokens, include_stop_str_in_output) of a request whose text is decoded here
+        self._here: dict[str, tuple[bool, bool]] = {}
+
+    def decode_text(self, request_id: str, params: Any) -> None:
+        """Decode this request's text here (call before its add is sent, on the thread that calls decode)."""
+        self._here[request_id] = (params.skip_special_tokens, params.include_stop_str_in_output)
 
     def decode(self, items: list, live: set[str]) -> list[RequestOutput]:
         self._apply_pending()
@@ -135,15 +164,19 @@ class OutputAssembler:
             request_id = self._pending.popleft()
             if request_id is None:
                 self._requests.clear()
+                self._here.clear()
             else:
                 self._requests.pop(request_id, None)
+                self._here.pop(request_id, None)
 
     def _decode(self, items: list, live: set[str]) -> list[RequestOutput]:
         outputs = []
         for request_id, prompt, finished, error, metrics, choices in items:
             if request_id not in live:
                 self._requests.pop(request_id, None)
+                self._here.pop(request_id, None)
                 continue
+            here = self._here.get(request_id)
             state = self._requests.get(request_id)
             if prompt is not None:
                 state = [tuple(prompt), state[1] if state is not None else [], None, None]
@@ -154,11 +187,16 @@ class OutputAssembler:
             for j, (index, keep_text, text, keep_ids, ids, cumulative, keep_lps, lps, reason, stop) in enumerate(
                     choices):
                 if j == len(last):
-                    last.append(["", [], []])
+                    last.append(["", [], [], None])
                 acc = last[j]
-                acc[0] = (acc[0] if keep_text == len(acc[0]) else acc[0][:keep_text]) + text
-                del acc[1][keep_ids:]
-                acc[1].extend(ids)
+                if here is None:
+                    acc[0] = (acc[0] if keep_text == len(acc[0]) else acc[0][:keep_text]) + text
+                    del acc[1][keep_ids:]
+                    acc[1].extend(ids)
+                else:
+                    del acc[1][keep_ids:]
+                    acc[1].extend(ids)
+                    acc[0] = self._text(acc, keep_ids, ids, reason, here, state[0][1])
                 if lps is not None:
                     del acc[2][keep_lps:]
                     acc[2].extend(lps)  # (msgpack keeps the dicts' int keys)
@@ -167,6 +205,7 @@ class OutputAssembler:
             del last[len(choices):]
             if finished:
                 self._requests.pop(request_id, None)
+                self._here.pop(request_id, None)
             else:
                 self._requests[request_id] = state
             if metrics is not None and metrics != state[2]:
@@ -175,6 +214,26 @@ class OutputAssembler:
             outputs.append(RequestOutput(request_id, p, p_ids, p_lps, completions, finished, error,
                                          None if metrics is None else state[3]))
         return outputs
+
+    def _text(self, acc: list, keep_ids: int, ids: list[int], reason: Optional[str], here: tuple[bool, bool],
+              prompt_token_ids: list[int]) -> str:
+        """The choice's text after its new token ids, decoded here (see the class)."""
+        detokenizer, (skip, keep_stop_text) = self._detokenizer, here
+        text = acc[3]
+        if text is None or keep_ids != len(text.output_token_ids):  # the first ids, or ids taken back: from the start
+            text = acc[3] = _Text(prompt_token_ids)
+            ids = acc[1]
+        text.last = 0
+        for token in ids:
+            text.output_token_ids.append(token)
+            text.last = len(detokenizer.decode_next(text, skip))
+        if reason is not None and not text.ended:  # as OutputProcessor._check_stop ends a sequence's text
+            text.ended = True
+            if reason == "length":
+                detokenizer.flush(text)
+            elif reason == "stop" and text.last and not keep_stop_text:  # an EOS / stop token / grammar's end
+                text.output_text = text.output_text[:-text.last]
+        return text.output_text
 
     def forget(self, request_ids: Iterable[str]) -> None:
         self._pending.extend(request_ids)
@@ -229,6 +288,7 @@ class EngineCoreLoop:
         from engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(config)
+        self.engine.output_processor.detokenize_all = False  # the API server decodes the rest (OutputAssembler)
         self.inbox, self.outbox, self.enc, self.fatal_path = inbox, outbox, enc, fatal_path
         hook = os.environ.get(FAULT_INJECTOR_ENV)
         if hook:

@@ -11,6 +11,14 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def engine_reads_text(params) -> bool:
+    """Whether the engine itself reads a request's text, so that an engine core which leaves detokenization to
+    the API server (engine/core_proc.py) still decodes it: stop strings end a sequence on its text (and hold its
+    tail back), and beam search and best_of > n choose their n choices only at the end. Every other request's text
+    is decoded on the API server's side, from the token ids, by the same Detokenizer."""
+    return bool(params.stop) or params.use_beam_search or params.best_of > params.n
+
+
 class _Stream:
     """One sequence's decoder: the Rust stream, the last ids it has seen, and how many of those wait for the rest
     of a character (their text not emitted yet)."""

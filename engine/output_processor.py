@@ -7,7 +7,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from engine.detokenizer import Detokenizer
+from engine.detokenizer import Detokenizer, engine_reads_text
 from engine.sample.sampler import Sample
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import BlockActions
@@ -86,6 +86,9 @@ class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int, eos_token_id: Optional[int],
                  seq_counter: Iterator[int]) -> None:
         self.detokenizer = Detokenizer(tokenizer)
+        # False in an engine core process: only the requests whose text the engine reads (engine_reads_text) are
+        # decoded here; the API server decodes the others' token ids (engine/core_proc.py OutputAssembler).
+        self.detokenize_all = True
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.seq_counter = seq_counter
@@ -125,8 +128,9 @@ class OutputProcessor:
             children.append((parent, parent))
 
         at("detokenizer")
+        decode = self.detokenize_all or engine_reads_text(params)
         for seq, _ in children:
-            new_text = self.detokenizer.decode_next(seq, params.skip_special_tokens)
+            new_text = self.detokenizer.decode_next(seq, params.skip_special_tokens) if decode else ""
             if seq.refused_token is not None:
                 self._end_refused(group, seq)
                 continue
@@ -158,6 +162,7 @@ class OutputProcessor:
         finished: list[SequenceGroup] = []
         failed: list[tuple[SequenceGroup, Exception]] = []
         decode_next = self.detokenizer.decode_next
+        detokenize_all = self.detokenize_all
         now = time.monotonic()
         row = 0
         for group, seqs in groups:
@@ -165,6 +170,7 @@ class OutputProcessor:
             params = group.sampling_params
             skip = params.skip_special_tokens
             keep_logprobs = params.logprobs is not None  # (nothing else reads them: a dict a token saved)
+            decode = detokenize_all or engine_reads_text(params)
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             try:
@@ -174,7 +180,7 @@ class OutputProcessor:
                     if keep_logprobs:
                         seq.output_logprobs.append({token: logprob})
                     seq.cumulative_logprob += logprob
-                    new_text = decode_next(seq, skip)
+                    new_text = decode_next(seq, skip) if decode else ""
                     if r in flagged:
                         self._check_stop(seq, params, len(new_text))
                         if seq.is_finished():

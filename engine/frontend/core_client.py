@@ -24,6 +24,7 @@ import zmq
 
 from engine import core_proc
 from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer, engine_reads_text
 from engine.faults import ADMISSION, StepError
 from engine.metrics import EngineStats
 from engine.sampling_params import SamplingParams
@@ -60,7 +61,6 @@ class RemoteEngineCore:
     def __init__(self, config: EngineConfig, proc, ctx: zmq.Context, outbox, inbox, ready: list, folder) -> None:
         self.proc, self._ctx, self._outbox, self._inbox, self._folder = proc, ctx, outbox, inbox, folder
         self._enc, self._dec = core_proc.encoder(), core_proc.decoder()
-        self._outputs = core_proc.OutputAssembler()  # each step's output deltas back into RequestOutputs
         _, resolved, self.vocab_size = ready
         self.config = msgspec.convert(resolved, EngineConfig)
         from engine.model_executor.loader import _source, load_tokenizer
@@ -69,6 +69,8 @@ class RemoteEngineCore:
         self.hf_config = source.hf_config
         self.tokenizer = load_tokenizer(source)
         self.eos_token_id = self.tokenizer.eos_token_id
+        # each step's output deltas back into RequestOutputs, the text of most requests decoded here
+        self._outputs = core_proc.OutputAssembler(Detokenizer(self.tokenizer))
         self._structured = None
         self._structured_lock = threading.Lock()
         self._unfinished: set[str] = set()
@@ -134,6 +136,8 @@ class RemoteEngineCore:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is out of vocabulary (size {vocab}).")
+        if not engine_reads_text(params):
+            self._outputs.decode_text(request_id, params)
         self._send(("add", request_id, prompt, list(prompt_token_ids), params,
                     arrival_time if arrival_time is not None else time.monotonic(), priority))
         self._unfinished.add(request_id)

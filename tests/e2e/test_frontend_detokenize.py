@@ -1,0 +1,91 @@
+"""With the engine core in its own process, the API server detokenizes (engine/core_proc.py OutputAssembler): the
+core sends token ids only, except for requests whose text the engine reads itself (stop strings, beam search,
+best_of). Every step's outputs, rebuilt on the server's side, are the ones an engine that detokenizes everything
+gives: the same text after each step, the same end of it (a stop token's text left out or kept, a length cap's
+held-back bytes flushed), over the real msgpack wire."""
+from __future__ import annotations
+
+import copy
+
+from engine import core_proc
+from engine.detokenizer import Detokenizer, engine_reads_text
+from engine.sampling_params import SamplingParams
+
+PROMPTS = [[1450, 2001, 314, 9054, 28, 3022], [504, 3458, 282, 2585, 314], [9, 216, 17, 1672, 30, 7, 118]]
+
+
+def _requests(tokenizer) -> list[tuple[str, list[int], SamplingParams]]:
+    stops = list(range(100, len(tokenizer), 9))  # ~11 % of the vocabulary: runs stop within a few tokens
+    # byte pieces that are no character alone: a length cap lands inside a character, whose bytes are flushed
+    pieces = [i for i in range(512) if tokenizer.decode([i]) == "\ufffd"]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),  # a length cap
+        SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=stops),
+        SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=stops, include_stop_str_in_output=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=40, n=2, stop_token_ids=stops[::3]),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=30, skip_special_tokens=False),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=5, allowed_token_ids=pieces, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["e", " the"], ignore_eos=True),  # read by the engine
+        SamplingParams(temperature=1.0, seed=5, max_tokens=20, n=1, best_of=3),  # read by the engine
+    ]
+    return [(f"r{k}-{i}", prompt, params) for k, params in enumerate(cases) for i, prompt in enumerate(PROMPTS)]
+
+
+def _run(engine, requests) -> list[list]:
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt_token_ids=prompt, params=params)
+    steps = []
+    while engine.has_unfinished_requests():
+        steps.append(_timeless(engine.step()))
+    return steps
+
+
+def _timeless(outputs: list) -> list:
+    """The outputs less their timestamps (two runs differ there only)."""
+    outputs = copy.deepcopy(outputs)
+    for out in outputs:
+        out.metrics = None
+    return outputs
+
+
+def test_text_decoded_by_the_api_server_is_the_engines(make_llm):
+    engine = make_llm("tiny").engine
+    requests = _requests(engine.tokenizer)
+    assert sum(not engine_reads_text(p) for _, _, p in requests) > len(requests) // 2
+    want = _run(engine, requests)
+
+    deltas, assembler = core_proc.OutputDeltas(), core_proc.OutputAssembler(Detokenizer(engine.tokenizer))
+    enc, dec = core_proc.encoder(), core_proc.decoder()
+    live = {request_id for request_id, _, _ in requests}
+
+    def register(request_id, params):
+        if not engine_reads_text(params):
+            assembler.decode_text(request_id, params)
+
+    engine.output_processor.detokenize_all = False  # as in the core process
+    try:
+        core_steps = []
+        for request_id, prompt, params in requests:
+            engine.add_request(request_id, prompt_token_ids=prompt, params=params)
+            register(request_id, params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            core_steps.append(copy.deepcopy(outputs))
+            got = _timeless(assembler.decode(dec.decode(enc.encode(deltas.encode(outputs))), live))
+            assert got == want[len(core_steps) - 1], f"step {len(core_steps)}"
+            live.difference_update(o.request_id for o in got if o.finished)
+    finally:
+        engine.output_processor.detokenize_all = True
+        engine.abort_request([request_id for request_id, _, _ in requests])  # (a failed check leaves some running)
+    assert len(core_steps) == len(want) and not live
+    assert assembler._requests == {} and assembler._here == {}
+    # the core itself decoded only the requests whose text it reads
+    last = {o.request_id: o for step in core_steps for o in step}
+    for request_id, _, params in requests:
+        texts = [c.text for c in last[request_id].outputs]
+        assert (any(texts) if engine_reads_text(params) else not any(texts)), (request_id, texts)
+    # the cases did what they are there for: stops with and without their text, length caps, several choices
+    finals = {o.request_id: o for step in want for o in step if o.finished}
+    reasons = {c.finish_reason for o in finals.values() for c in o.outputs}
+    assert reasons == {"stop", "length"}
+    assert any(o.outputs[0].stop_reason is not None for k, o in finals.items() if k.startswith("r2-"))
