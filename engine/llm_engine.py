@@ -261,20 +261,28 @@ class LLMEngine:
     def _process_rows(self, out, rows, samples: RowSamples, batch: Optional[_StepBatch],
                       outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs of a step whose every row drew one token: stop checks over the batch's arrays first."""
-        self.model_runner.record_sampled(samples.token_ids)
-        token_ids, logprobs = samples.token_ids.tolist(), samples.logprobs.tolist()
+        sampled, sampled_logprobs = samples.token_ids, samples.logprobs
+        if not sampled.is_cpu:  # on the host once: the stop checks, the outputs and the next step's input read them
+            sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.cpu()
+        sampled = sampled.numpy()
+        self.model_runner.record_sampled(sampled)
+        token_ids, logprobs = sampled.tolist(), sampled_logprobs.tolist()
         self._generation_tokens_total += len(token_ids)
         stops = batch.stops if batch is not None else RowStops(rows, self.eos_token_id, self.config.max_model_len)
         self._stage = "output_processor"
-        actions, finished, failed = self.output_processor.process_rows(
-            rows, token_ids, logprobs, stops.flagged(samples.token_ids.numpy()))
+        actions, finished, failed = self.output_processor.process_rows(rows, token_ids, logprobs,
+                                                                       stops.flagged(sampled))
         self.scheduler.apply(actions)
-        now = time.monotonic()
-        for group in finished:
-            group.metrics.finished_time = now
+        if finished:
+            now = time.monotonic()
+            for group in finished:
+                group.metrics.finished_time = now
         to_output = self.output_processor.to_request_output
-        bad = {id(group) for group, _ in failed}
-        outputs += [to_output(group) for group, _ in rows if id(group) not in bad]
+        if failed:
+            bad = {id(group) for group, _ in failed}
+            outputs += [to_output(group) for group, _ in rows if id(group) not in bad]
+        else:
+            outputs += [to_output(group) for group, _ in rows]
         self.scheduler.free_finished_seq_groups(finished)
         if failed:
             exc = failed[0][1]

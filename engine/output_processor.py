@@ -65,19 +65,33 @@ class RowStops:
                 caps.append(max_model_len if p.max_tokens is None else min(max_model_len, prompt_len + p.max_tokens))
                 lens.append(seq.get_len())
                 strings.append(bool(p.stop))
-        width = max((len(ids) for ids in stop_ids), default=0) or 1
-        self.stop_ids = np.full((len(stop_ids), width), -1, dtype=np.int64)  # [num_rows, width]; -1: none
-        for row, ids in enumerate(stop_ids):
-            self.stop_ids[row, : len(ids)] = ids
-        self.caps = np.array(caps, dtype=np.int64)  # [num_rows] the length at which a row is capped
-        self.lens = np.array(lens, dtype=np.int64)  # [num_rows] each row's length before the step's token
-        self.stop_strings = np.array(strings, dtype=bool)  # [num_rows]
+        # [num_rows, width] (-1: none), [num_rows] where no row has more than one; None where no row has any.
+        self.stop_ids: Optional[np.ndarray] = None
+        width = max((len(ids) for ids in stop_ids), default=0)
+        if width:
+            self.stop_ids = np.full((len(stop_ids), width), -1, dtype=np.int64)
+            for row, ids in enumerate(stop_ids):
+                self.stop_ids[row, : len(ids)] = ids
+            if width == 1:
+                self.stop_ids = self.stop_ids[:, 0]
+        # [num_rows] how many tokens each row takes before its cap; the rows move on together, one token a step,
+        # so none reaches its cap before `self.first_cap` steps (the length check is skipped until then).
+        self.left = np.array(caps, dtype=np.int64) - np.array(lens, dtype=np.int64)
+        self.first_cap = int(self.left.min()) if len(self.left) else 0
+        self.steps = 0
+        self.string_rows = frozenset(i for i, has in enumerate(strings) if has)  # rows with stop strings
 
     def flagged(self, token_ids: np.ndarray) -> set[int]:  # token_ids: [num_rows]
         """The rows this step's tokens may end; every row is one token longer afterwards."""
-        self.lens += 1
-        hits = (self.stop_ids == token_ids[:, None]).any(axis=1) | (self.lens >= self.caps) | self.stop_strings
-        return set(np.flatnonzero(hits).tolist())
+        self.steps += 1
+        rows = set(self.string_rows)
+        stop_ids = self.stop_ids
+        if stop_ids is not None:
+            hits = stop_ids == token_ids if stop_ids.ndim == 1 else (stop_ids == token_ids[:, None]).any(axis=1)
+            rows.update(hits.nonzero()[0].tolist())
+        if self.steps >= self.first_cap:
+            rows.update((self.left <= self.steps).nonzero()[0].tolist())
+        return rows
 
 
 class OutputProcessor:

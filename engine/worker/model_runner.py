@@ -16,6 +16,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from engine import ops
@@ -94,20 +95,26 @@ class DecodeBatch:
 
     def __init__(self, version: int, steps: int, inp: ModelInput, block_size: int) -> None:
         self.version, self.steps, self.inp, self.block_size = version, steps, inp, block_size
-        self.next_tokens: Optional[torch.Tensor] = None  # [num_rows] int64, sampled in the last step
+        self.next_tokens: Optional[np.ndarray] = None  # [num_rows] int64, sampled in the last step (on the host)
+        # The CPU input's arrays, moved on through NumPy views of the same memory: at a decode step's few rows an
+        # in-place torch op costs its dispatch, several times NumPy's call.
+        meta = inp.meta
+        self._arrays = (inp.input_ids.numpy(), inp.positions.numpy(), meta.decode_context_lens.numpy(),
+                        meta.slot_mapping.numpy())
 
     def advance(self, out) -> ModelInput:
         """The next step's input: every row one token on, in place."""
         steady, inp, bs = out.steady, self.inp, self.block_size
         meta = inp.meta
+        input_ids, positions, context_lens, slots = self._arrays
         if self.next_tokens is not None:
-            inp.input_ids.copy_(self.next_tokens)
+            input_ids[:] = self.next_tokens
         else:  # the engine did not hand the step's tokens over (a caller of the runner alone)
-            inp.input_ids.copy_(torch.tensor([seq.get_last_token_id() for _, seq in steady.rows], dtype=torch.int64))
+            input_ids[:] = [seq.get_last_token_id() for _, seq in steady.rows]
         self.next_tokens = None
-        inp.positions.add_(1)
-        meta.decode_context_lens.add_(1)
-        meta.slot_mapping.add_(1)  # the next slot of the same block, except for the rows entering a new one
+        positions += 1
+        context_lens += 1
+        slots += 1  # the next slot of the same block, except for the rows entering a new one
         if out.steady_grown:
             tables = meta.decode_block_tables
             width = max(len(out.block_tables[steady.rows[row][1].seq_id]) for row in out.steady_grown)
@@ -115,11 +122,12 @@ class DecodeBatch:
                 wider = torch.zeros(tables.shape[0], width, dtype=tables.dtype, device=tables.device)
                 wider[:, : tables.shape[1]] = tables
                 tables = meta.decode_block_tables = wider
+            table_rows = tables.numpy()
             for row in out.steady_grown:
                 table = out.block_tables[steady.rows[row][1].seq_id]
-                position = int(inp.positions[row])
-                tables[row, : len(table)] = torch.tensor(table, dtype=tables.dtype)
-                meta.slot_mapping[row] = table[position // bs] * bs + position % bs
+                position = int(positions[row])
+                table_rows[row, : len(table)] = table
+                slots[row] = table[position // bs] * bs + position % bs
         self.steps = steady.steps
         return inp
 
@@ -163,12 +171,11 @@ class ModelRunner:
                                                     self.model.args.vocab_size, dtype=torch.float32)
         return buf[:rows]
 
-    def record_sampled(self, token_ids: torch.Tensor) -> None:  # [num_rows] int64, in the step's row order
+    def record_sampled(self, token_ids: np.ndarray) -> None:  # [num_rows] int64, in the step's row order
         """The tokens sampled in this step: the next step's input if it continues the steady decode."""
         if self.batch is not None and token_ids.shape[0] == self.batch.inp.input_ids.shape[0]:
             self.batch.next_tokens = token_ids
 
-    @torch.inference_mode()
     def execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None] = _no_fault, greedy: bool = False,
                 ) -> tuple[torch.Tensor | GreedyStats, dict[str, torch.Tensor]]:
         """Forward the tokens [num_computed_tokens, get_len()) of every RUNNING sequence of out.scheduled.
@@ -178,6 +185,13 @@ class ModelRunner:
         greedy (every row greedy, no top logprobs, nothing adjusting the logits): the rows' GreedyStats instead of
         their logits, from a head that does not write them where the model has one; logits still under tensor
         parallelism and for a step with prompt logprobs."""
+        # The guard torch.inference_mode() enters, held directly: the decorator builds, enters and leaves a context
+        # object through several Python calls, a share of a small batch's step that shows.
+        with torch._C._InferenceMode(True):
+            return self._execute(out, kv_caches, at, greedy)
+
+    def _execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None], greedy: bool,
+                 ) -> tuple[torch.Tensor | GreedyStats, dict[str, torch.Tensor]]:
         at("prepare_inputs")
         inp = self.prepare(out)
         at("forward")
@@ -194,7 +208,7 @@ class ModelRunner:
         shards = self._num_shards(inp)
         if shards > 1:
             return self._split_decode(inp, kv_caches, shards, greedy), {}
-        result = self.forward(inp, kv_caches, greedy)
+        result = self._forward(inp, kv_caches, greedy)  # (in inference mode already: forward would enter it again)
         if self._trim_heap is not None and inp.meta.num_prefill_tokens >= TRIM_AFTER_PREFILL_TOKENS:
             self._trim_heap(0)  # 0.3 ms after a 90 ms SmolLM2 128-token prefill, 1.1 ms after a 550 ms 1.17B one
         return result
@@ -204,14 +218,21 @@ class ModelRunner:
                 ) -> tuple[Optional[torch.Tensor | GreedyStats], dict[str, Optional[torch.Tensor]]]:
         """One forward of a prepared input; every rank runs it (logits are None except on rank 0). greedy (one
         rank, no prompt rows): GreedyStats instead of logits (execute)."""
+        return self._forward(inp, kv_caches, greedy)
+
+    def _forward(self, inp: ModelInput, kv_caches: list[KVCache], greedy: bool = False,
+                 ) -> tuple[Optional[torch.Tensor | GreedyStats], dict[str, Optional[torch.Tensor]]]:
         inp = inp.to(self.device)
-        inp.meta.prefill_batch = self._prefill_batch(inp.meta.prefills)
-        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.meta)  # [num_tokens, hidden]
+        meta = inp.meta
+        meta.prefill_batch = self._prefill_batch(meta.prefills)
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, meta)  # [num_tokens, hidden]
+        rows = inp.logits_indices.shape[0]
+        # A decode-only step samples every token, in order (_build): its logits_indices are arange(num_tokens), and
+        # gathering the rows would only copy them.
+        last = hidden if not meta.num_prefill_tokens and rows == hidden.shape[0] else hidden[inp.logits_indices]
         if greedy:
-            rows = inp.logits_indices.shape[0]
-            return self._greedy_stats(hidden[inp.logits_indices], lambda: self._logits_out(rows)), {}
-        logits = self.model.compute_logits(hidden[inp.logits_indices],  # [num_rows, vocab]
-                                           self._logits_out(inp.logits_indices.shape[0]))
+            return self._greedy_stats(last, lambda: self._logits_out(rows)), {}
+        logits = self.model.compute_logits(last, self._logits_out(rows))  # [num_rows, vocab]
         prompt_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in inp.prompt_rows.items()}
         return logits, prompt_logits
 

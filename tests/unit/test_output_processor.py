@@ -245,3 +245,29 @@ def test_error_and_abort_reach_the_request_output(tokenizer):
     group.error = "out of swap space"
     out = harness.proc.to_request_output(group)
     assert out.finished and out.error == "out of swap space" and out.outputs[0].finish_reason == "abort"
+
+
+@pytest.mark.parametrize("stop_ids", [(), (9,), (9, 11, 13)], ids=["none", "one", "several"])
+def test_row_stops_flag_the_rows_a_token_or_a_cap_may_end(stop_ids):
+    """The batch's stop data (a steady decode's, kept between steps) flags a row at its stop token, EOS, cap
+    (max_tokens, max_model_len) or, every step, stop strings; the other rows skip the stop checks."""
+    import numpy as np
+
+    from engine.output_processor import RowStops
+
+    eos, max_model_len = 2, 12
+    params = [SamplingParams(ignore_eos=True, stop_token_ids=list(stop_ids), max_tokens=5),  # capped after 5 tokens
+              SamplingParams(ignore_eos=not stop_ids, max_tokens=None),  # max_model_len: 12 - 4 = 8 tokens
+              SamplingParams(ignore_eos=True, max_tokens=7, stop=["x"])]
+    rows = [(SequenceGroup(f"r{i}", [seq], p), [seq]) for i, (p, seq) in
+            enumerate(zip(params, (Sequence(i, [5, 6, 7, 8]) for i in range(3))))]
+    stops = RowStops(rows, eos, max_model_len)
+    hit = stop_ids[-1] if stop_ids else 4
+    seen = []
+    for step in range(1, 9):
+        tokens = np.array([hit if step == 2 else 4, eos if step == 3 else 4, hit], dtype=np.int64)
+        seen.append(stops.flagged(tokens))
+    assert seen[0] == {2}  # only the stop-string row
+    assert seen[1] == ({0, 2} if stop_ids else {2})  # row 0's stop token
+    assert seen[2] == ({1, 2} if stop_ids else {2})  # row 1's EOS (counted when it has no stop ids of its own)
+    assert seen[4] == {0, 2} and seen[6] == {0, 2} and seen[7] == {0, 1, 2}  # the caps: 5, 7 (max_tokens), 8
