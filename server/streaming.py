@@ -263,7 +263,7 @@ def sse_event(data: str, event: Optional[str] = None) -> bytes:
     return f"event: {event}\ndata: {data}\n\n".encode()
 
 
-_json_str = json.encoder.encode_basestring  # C; the same JSON for a str as pydantic's (tests/server/test_streaming_json.py)
+_json_str = json.encoder.encode_basestring  # C; the same JSON for a str as pydantic's (tests/unit/test_streaming_json.py)
 
 
 def _json_scalar(value: Union[int, str, None]) -> str:
