@@ -159,7 +159,15 @@ class OutputProcessor:
     @staticmethod
     def _end_refused(group: SequenceGroup, seq: Sequence) -> None:
         """The sequence's grammar refused its last token: it ends with an error (its request only; vLLM ends the
-        request as FINISHED_ERROR too), never goes on unconstrained."""
+        request as FINISHED_ERROR too), never goes on unconstrained. If the grammar allows no token at all there,
+        the request asked for text this vocabulary cannot spell (a regex with a character no token has): the
+        client's error (FINISHED_IGNORED: a 400), not the server's (FINISHED_ERROR: a 503)."""
+        if not seq.grammar.allows_any_token():
+            seq.status = SequenceStatus.FINISHED_IGNORED
+            group.error = (f"Structured output cannot go on: after {len(seq.output_token_ids) - 1} tokens the "
+                           "request's grammar allows no token of this model's vocabulary (it asks for a character no "
+                           "token spells).")
+            return
         logger.error("request %s: the grammar refused the sampled token %d; ending the request", group.request_id,
                      seq.refused_token)
         seq.status = SequenceStatus.FINISHED_ERROR

@@ -353,7 +353,7 @@ def _mask_to_grammars(logits: torch.Tensor, raw_logits: torch.Tensor, constraine
     """Structured outputs: the constrained rows keep only the tokens their grammar allows next. A row the
     other adjustments had already emptied of those (min_tokens holding back the EOS the grammar needs now)
     keeps the grammar's choice over the raw logits: the grammar wins."""
-    if logits is raw_logits:  # nothing else masked a token: a grammar always allows one, no row can be empty
+    if logits is raw_logits:  # nothing else masked a token (a row its grammar empties ends at the refused token)
         logits = logits.clone()
         apply_grammar_masks(logits, constrained)
         return logits

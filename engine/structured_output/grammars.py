@@ -34,10 +34,10 @@ class GrammarError(ValueError):
 class GrammarState:
     """One sequence's position in its grammar."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "vocab_size")
 
-    def __init__(self, matcher) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar refused it (it was masked out, so only a token
@@ -51,7 +51,13 @@ class GrammarState:
         return self.matcher.is_terminated()
 
     def fork(self) -> "GrammarState":
-        return GrammarState(self.matcher.fork())
+        return GrammarState(self.matcher.fork(), self.vocab_size)
+
+    def allows_any_token(self) -> bool:
+        """Whether any token of the vocabulary (or the stop token) may come next. A grammar can reach a point where
+        none may: a regex or grammar that asks for a character no token spells (SmolLM2's byte-level vocabulary has
+        no token for the byte 0x04, nor for some 4-byte UTF-8 leads)."""
+        return _allows_any(self.matcher, self.vocab_size)
 
 
 class StructuredOutputs:
@@ -99,6 +105,8 @@ class StructuredOutputs:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors on a bad spec
             raise GrammarError(_describe(spec, exc)) from exc
         self.last_compile_ms = (time.perf_counter() - start) * 1e3
+        if not _allows_any(self._xgr.GrammarMatcher(compiled), self.vocab_size):  # nothing could ever be sampled: the client's spec
+            raise GrammarError(_describe(spec, ValueError(_NO_FIRST_TOKEN)))
         size = compiled.memory_size_bytes + len(spec.value)
         with self._lock:
             old = self._cache.pop(spec, None)
@@ -129,7 +137,7 @@ class StructuredOutputs:
         return compiler.compile_grammar(spec.value)
 
     def new_state(self, compiled) -> GrammarState:
-        return GrammarState(self._xgr.GrammarMatcher(compiled))
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
 def apply_grammar_masks(logits: "torch.Tensor", rows: list[tuple[int, GrammarState]]) -> None:
@@ -143,6 +151,17 @@ def apply_grammar_masks(logits: "torch.Tensor", rows: list[tuple[int, GrammarSta
         state.matcher.fill_next_token_bitmask(bitmask, row)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab,
                                     indices=[row for row, _ in rows])
+
+
+_NO_FIRST_TOKEN = "no token of this model's vocabulary can start it (it asks for a character no token spells)"
+
+
+def _allows_any(matcher, vocab_size: int) -> bool:
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def _describe(spec: GuidedSpec, exc: Exception) -> str:

@@ -83,6 +83,29 @@ def test_a_token_the_grammar_refuses_ends_its_request_with_an_error(make_llm, pr
     check([finals["other"]])
 
 
+def test_a_grammar_no_token_can_start_is_refused_when_compiled(make_llm):
+    # SmolLM2's byte-level vocabulary has no token for the byte 0x04: nothing could ever be sampled (a 400 at once).
+    with pytest.raises(ValueError, match="invalid regex: no token of this model's vocabulary can start it"):
+        make_llm("tiny").engine.structured.compile(GuidedSpec("regex", "\x04"))
+
+
+@pytest.mark.parametrize("make_params", [greedy, seeded_pair], ids=["greedy", "seeded-n2"])
+def test_a_grammar_at_a_dead_end_ends_its_request_as_the_clients_error(make_llm, prompt_ids, make_params):
+    # "ab" can be written; the 0x04 that must follow cannot (no token spells it): every row of the request ends
+    # there with a client's error (FINISHED_IGNORED: the server answers 400, not 503), the other request goes on.
+    engine = make_llm("tiny").engine
+    engine.add_request("dead", prompt_token_ids=prompt_ids[1], params=make_params(guided=GuidedSpec("regex", "ab\x04")))
+    engine.add_request("other", prompt_token_ids=prompt_ids[2], params=greedy(guided=SPEC))
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+    bad = finals["dead"]
+    assert bad.error is not None and "allows no token of this model's vocabulary" in bad.error, bad
+    assert all(c.finish_reason == "length" and c.text.startswith("ab") for c in bad.outputs), bad
+    check([finals["other"]])
+    assert_all_blocks_free(engine)
+
+
 def test_the_grammar_wins_over_min_tokens(make_llm, prompt_ids):
     # min_tokens holds back EOS, the only token the finished choice allows: the grammar ends the output.
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=8, guided=GuidedSpec.choice(["yes", "no"]))

@@ -115,6 +115,25 @@ def test_guided_choice_and_regex_on_completions(client, server):
     assert idle_kv_usage(server) == 0.0
 
 
+def test_a_regex_the_vocabulary_cannot_spell_is_a_400(client, server):
+    # No token of SmolLM2's vocabulary spells the byte 0x04: refused before anything runs ("\x04"), or once the
+    # output reaches it ("ab\x04"): a 400 the client can parse, streamed or not, never a 503; nothing leaks.
+    for regex in ("\x04", "ab\x04"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="Say:", max_tokens=10, temperature=1.0, seed=3, n=2,
+                                      extra_body={"guided_regex": regex})
+        assert info.value.status_code == 400 and "no token of this model's vocabulary" in info.value.message
+    with httpx.stream("POST", server.base_url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Say:", "max_tokens": 10, "stream": True,
+                            "guided_regex": "ab\x04"}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 400 and "allows no token of this model's vocabulary" in error["message"], error
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "ab"
+    assert idle_kv_usage(server) == 0.0
+
+
 def test_streamed_schema_output_is_the_same_json(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     stream = client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=80,
