@@ -73,6 +73,10 @@ class EngineConfig:
     # every distinct schema, regex or grammar a client sends is a new one (tens of KiB to MiBs each, growing
     # with the vocabulary), so the bound is in bytes. 0: nothing is kept, every constrained request compiles.
     grammar_cache_mb: float = 16.0
+    # A running request's output is reported every this many steps (and always with its first token and at its
+    # end), as vLLM's and SGLang's --stream-interval: a streamed client gets one SSE event for each N tokens, so the
+    # API server's per-event work (and the core's output encoding) falls N-fold at high concurrency. 1: each token.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.preemption_mode, str):
@@ -94,6 +98,7 @@ class EngineConfig:
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("distributed_timeout", self.distributed_timeout > 0, "must be > 0"),
             ("grammar_cache_mb", self.grammar_cache_mb >= 0, "must be >= 0"),
+            ("stream_interval", self.stream_interval >= 1, "must be >= 1"),
         ]
         for name, ok, msg in checks:
             if not ok:

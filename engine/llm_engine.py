@@ -241,7 +241,8 @@ class LLMEngine:
                 continue
             if group.is_finished():
                 group.metrics.finished_time = time.monotonic()
-            outputs.append(self.output_processor.to_request_output(group))
+            if self._due(group):
+                outputs.append(self.output_processor.to_request_output(group))
         self.scheduler.free_finished_seq_groups()
         if failed:
             _, stage, exc = failed[0]
@@ -280,14 +281,31 @@ class LLMEngine:
         to_output = self.output_processor.to_request_output
         if failed:
             bad = {id(group) for group, _ in failed}
-            outputs += [to_output(group) for group, _ in rows if id(group) not in bad]
-        else:
+            outputs += [to_output(group) for group, _ in rows if id(group) not in bad and self._due(group)]
+        elif self.config.stream_interval == 1:
             outputs += [to_output(group) for group, _ in rows]
+        else:
+            due = self._due
+            outputs += [to_output(group) for group, _ in rows if due(group)]
         self.scheduler.free_finished_seq_groups(finished)
         if failed:
             exc = failed[0][1]
             raise StepError("output_processor", exc, self._end([g for g, _ in failed]), outputs) from exc
         return outputs
+
+    def _due(self, group: SequenceGroup) -> bool:
+        """Whether this step reports the group (it just drew tokens): always at stream_interval 1, with its first
+        tokens and when it ended; else every stream_interval steps. What a skipped step made comes with the next
+        output (a RequestOutput holds everything so far)."""
+        interval = self.config.stream_interval
+        if interval == 1 or group.steps_unreported < 0 or group.is_finished():
+            group.steps_unreported = 0
+            return True
+        group.steps_unreported += 1
+        if group.steps_unreported >= interval:
+            group.steps_unreported = 0
+            return True
+        return False
 
     def _at(self, stage: str, groups: Iterable[SequenceGroup]) -> None:
         self._stage = stage

@@ -146,6 +146,9 @@ class SequenceGroup:
         self.error: Optional[str] = None
         # The sampler's seeded torch.Generator when sampling_params.seed is set.
         self.generator: object = None
+        # Steps that gave this request tokens since its last output (LLMEngine's stream_interval); -1: no output
+        # yet (its first token is reported at once).
+        self.steps_unreported = -1
 
     @property
     def arrival_time(self) -> float:

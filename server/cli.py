@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "the same tokens and logprobs); CUDA steps always run eagerly (no CUDA graphs yet)")
     serve.add_argument("--grammar-cache-mb", type=float, default=16.0,
                        help="MiB of compiled structured-output grammars kept, least recently used dropped first")
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="a streamed request gets an event every N tokens (and with its first and last): fewer, "
+                            "larger events, less API-server work a token at high concurrency (vLLM's, SGLang's flag)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -111,6 +114,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
         enforce_eager=args.enforce_eager, grammar_cache_mb=args.grammar_cache_mb,
+        stream_interval=args.stream_interval,
     )
 
 

@@ -266,3 +266,22 @@ def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir
         proc.wait(timeout=60)
     assert hit_rate > 0  # the core's prefix cache served the long prompt's second request
     assert remote == local
+
+
+def test_stream_interval_sends_an_event_every_n_tokens(tiny_llama_dir, tmp_path, one_rank):
+    """--stream-interval 4 through the core process: the first token at once, then 4 tokens an event, the rest with
+    the last; the text (decoded by the API server from the deltas' ids) is the offline engine's."""
+    proc, base, _ = _start(tiny_llama_dir, tmp_path / "server.log", "--stream-interval", "4")
+    try:
+        with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0,
+                                "ignore_eos": True, "stream": True, "logprobs": 1}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        assert [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]] == [1, 4, 4, 3], chunks
+        assert "".join(c["text"] for c in chunks) == one_rank[12]
+        assert chunks[-1]["finish_reason"] == "length"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
