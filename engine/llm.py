@@ -70,6 +70,7 @@ class LLM:
                     prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
                     params=params_list[i],
                     priority=priorities[i],
+                    final_only=True,  # (only the finished outputs are read: none is built a step for the others)
                 )
         except BaseException:  # a bad prompt i: the batch is refused whole, prompts 0..i-1 leave the queue (vLLM's)
             self.engine.abort_request(list(order))

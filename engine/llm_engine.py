@@ -121,13 +121,15 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         grammar: Optional[Any] = None,
+        final_only: bool = False,
     ) -> None:
         """Queue one request. ValueError for an empty prompt or token ids outside the vocabulary.
 
         `params` is read, never changed (one object may serve many requests); max_tokens None generates until
         the context (max_model_len) is full. With --scheduling-policy priority a lower `priority` runs first.
         `grammar`: params.guided compiled already (AsyncLLMEngine compiles in its grammar thread); None: the
-        spec is compiled here, or taken from the cache.
+        spec is compiled here, or taken from the cache. `final_only`: step() reports the request only when it has
+        finished (LLM.generate reads nothing else), which spares building an output a step for it.
         """
         if self.fault_injector is not None:
             self.fault_injector(ADMISSION, [request_id])
@@ -146,6 +148,7 @@ class LLMEngine:
             compiled = grammar if grammar is not None else self.structured.compile(params.guided)
             seq.grammar = self.structured.new_state(compiled)
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
+        group.final_only = final_only
         self.scheduler.add_seq_group(group)
 
     @property
@@ -283,7 +286,7 @@ class LLMEngine:
             bad = {id(group) for group, _ in failed}
             outputs += [to_output(group) for group, _ in rows if id(group) not in bad and self._due(group)]
         elif self.config.stream_interval == 1:
-            outputs += [to_output(group) for group, _ in rows]
+            outputs += [to_output(group) for group, _ in rows if not group.final_only or group.is_finished()]
         else:
             due = self._due
             outputs += [to_output(group) for group, _ in rows if due(group)]
@@ -294,9 +297,11 @@ class LLMEngine:
         return outputs
 
     def _due(self, group: SequenceGroup) -> bool:
-        """Whether this step reports the group (it just drew tokens): always at stream_interval 1, with its first
-        tokens and when it ended; else every stream_interval steps. What a skipped step made comes with the next
+        """Whether this step reports the group (it just drew tokens): a final_only group when it ended; any other
+        always at stream_interval 1, else with its first tokens, every stream_interval steps and when it ended. What a skipped step made comes with the next
         output (a RequestOutput holds everything so far)."""
+        if group.final_only:
+            return group.is_finished()
         interval = self.config.stream_interval
         if interval == 1 or group.steps_unreported < 0 or group.is_finished():
             group.steps_unreported = 0

@@ -149,6 +149,7 @@ class SequenceGroup:
         # Steps that gave this request tokens since its last output (LLMEngine's stream_interval); -1: no output
         # yet (its first token is reported at once).
         self.steps_unreported = -1
+        self.final_only = False  # reported only when finished (the offline LLM's requests: vLLM's FINAL_ONLY)
 
     @property
     def arrival_time(self) -> float:

@@ -1,5 +1,6 @@
 """stream_interval: a running request is reported with its first tokens, then every N steps, and at its end; what
-the skipped steps made arrives with the next output, and the final outputs are those of stream_interval 1."""
+the skipped steps made arrives with the next output, and the final outputs are those of stream_interval 1. A
+final_only request (the offline LLM's) is reported once, when it has finished."""
 from __future__ import annotations
 
 import pytest
@@ -9,12 +10,12 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 
-def run(engine, prompt_ids) -> tuple[dict, dict]:
+def run(engine, prompt_ids, **add) -> tuple[dict, dict]:
     """Every request's outputs step by step: {request id: [tokens of its first choice at each report]}, finals."""
     params = [greedy(), seeded_pair(), greedy(ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=7),
               greedy(stop=["e"]), greedy(logprobs=2)]
     for i, p in enumerate(params):
-        engine.add_request(f"r{i}", prompt_token_ids=prompt_ids[i], params=p)
+        engine.add_request(f"r{i}", prompt_token_ids=prompt_ids[i], params=p, **add)
     seen: dict[str, list[int]] = {}
     finals = {}
     while engine.has_unfinished_requests():
@@ -42,6 +43,16 @@ def test_reports_every_n_steps_and_ends_as_stream_interval_1(make_llm, prompt_id
         expected += [final] if expected[-1] != final else []
         assert counts == expected, (request_id, counts)
     assert len(seen["r2"]) < MAX_TOKENS // interval + 3
+    assert_all_blocks_free(engine)
+
+
+def test_final_only_requests_are_reported_once_at_their_end(make_llm, prompt_ids):
+    # LLM.generate's requests (it reads the finished outputs only): no output is built for them before.
+    engine = make_llm("tiny").engine
+    _, reference = run(engine, prompt_ids)
+    seen, finals = run(engine, prompt_ids, final_only=True)
+    assert {k: choices(v) for k, v in finals.items()} == {k: choices(v) for k, v in reference.items()}
+    assert all(len(counts) == 1 for counts in seen.values()), seen
     assert_all_blocks_free(engine)
 
 
