@@ -1,6 +1,7 @@
 """The offline batch API: LLM(model=...).generate(prompts, params)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Optional, Sequence as Seq, Union
 
@@ -59,6 +60,8 @@ class LLM:
         if len(priorities) != num:
             raise ValueError("priority must be one int or one per prompt")
 
+        # Only the finished outputs are read: none is built a step for the others (the caller's params unchanged).
+        final = {id(p): p if p.final_only else dataclasses.replace(p, final_only=True) for p in params_list}
         order: dict[str, int] = {}
         try:
             for i in range(num):
@@ -68,9 +71,8 @@ class LLM:
                     request_id,
                     prompt=prompts[i] if prompts is not None else None,
                     prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
-                    params=params_list[i],
+                    params=final[id(params_list[i])],
                     priority=priorities[i],
-                    final_only=True,  # (only the finished outputs are read: none is built a step for the others)
                 )
         except BaseException:  # a bad prompt i: the batch is refused whole, prompts 0..i-1 leave the queue (vLLM's)
             self.engine.abort_request(list(order))

@@ -121,15 +121,14 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         grammar: Optional[Any] = None,
-        final_only: bool = False,
     ) -> None:
         """Queue one request. ValueError for an empty prompt or token ids outside the vocabulary.
 
         `params` is read, never changed (one object may serve many requests); max_tokens None generates until
         the context (max_model_len) is full. With --scheduling-policy priority a lower `priority` runs first.
         `grammar`: params.guided compiled already (AsyncLLMEngine compiles in its grammar thread); None: the
-        spec is compiled here, or taken from the cache. `final_only`: step() reports the request only when it has
-        finished (LLM.generate reads nothing else), which spares building an output a step for it.
+        spec is compiled here, or taken from the cache. With params.final_only step() reports the request only
+        when it has finished.
         """
         if self.fault_injector is not None:
             self.fault_injector(ADMISSION, [request_id])
@@ -148,7 +147,6 @@ class LLMEngine:
             compiled = grammar if grammar is not None else self.structured.compile(params.guided)
             seq.grammar = self.structured.new_state(compiled)
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
-        group.final_only = final_only
         self.scheduler.add_seq_group(group)
 
     @property

@@ -63,6 +63,9 @@ class SamplingParams:
     # The output must match this (JSON schema, JSON object, regex, choice, grammar): engine/structured_output/grammars.py.
     guided: Optional[GuidedSpec] = None
     max_logprobs: int = field(default=20, repr=False)
+    # Report the request only when it has finished (vLLM's RequestOutputKind.FINAL_ONLY): no output is built and
+    # delivered each step for a reader that takes the last one only (LLM.generate, a non-streamed HTTP request).
+    final_only: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.best_of is None:

@@ -149,7 +149,7 @@ class SequenceGroup:
         # Steps that gave this request tokens since its last output (LLMEngine's stream_interval); -1: no output
         # yet (its first token is reported at once).
         self.steps_unreported = -1
-        self.final_only = False  # reported only when finished (the offline LLM's requests: vLLM's FINAL_ONLY)
+        self.final_only = sampling_params.final_only  # reported only when finished (SamplingParams.final_only)
 
     @property
     def arrival_time(self) -> float:

@@ -230,6 +230,7 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens, logit_bias=_logit_bias(ctx, body.logit_bias),
             allowed_token_ids=body.allowed_token_ids, bad_words_token_ids=_bad_words(ctx, body.bad_words),
             max_logprobs=ctx.engine.config.max_logprobs, guided=guided_spec,
+            final_only=not body.stream,  # (a non-streamed response reads the finished output only)
         )
     except ValueError as exc:
         raise APIError.from_value_error(exc) from exc

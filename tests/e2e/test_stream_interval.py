@@ -10,12 +10,13 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 
-def run(engine, prompt_ids, **add) -> tuple[dict, dict]:
+def run(engine, prompt_ids, final_only: bool = False) -> tuple[dict, dict]:
     """Every request's outputs step by step: {request id: [tokens of its first choice at each report]}, finals."""
     params = [greedy(), seeded_pair(), greedy(ignore_eos=True), SamplingParams(temperature=0.0, max_tokens=7),
               greedy(stop=["e"]), greedy(logprobs=2)]
     for i, p in enumerate(params):
-        engine.add_request(f"r{i}", prompt_token_ids=prompt_ids[i], params=p, **add)
+        p.final_only = final_only
+        engine.add_request(f"r{i}", prompt_token_ids=prompt_ids[i], params=p)
     seen: dict[str, list[int]] = {}
     finals = {}
     while engine.has_unfinished_requests():
@@ -47,7 +48,8 @@ def test_reports_every_n_steps_and_ends_as_stream_interval_1(make_llm, prompt_id
 
 
 def test_final_only_requests_are_reported_once_at_their_end(make_llm, prompt_ids):
-    # LLM.generate's requests (it reads the finished outputs only): no output is built for them before.
+    # LLM.generate's and non-streamed HTTP requests (their readers take the finished output only): no output is
+    # built for them before.
     engine = make_llm("tiny").engine
     _, reference = run(engine, prompt_ids)
     seen, finals = run(engine, prompt_ids, final_only=True)
