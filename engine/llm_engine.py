@@ -296,8 +296,8 @@ class LLMEngine:
 
     def _due(self, group: SequenceGroup) -> bool:
         """Whether this step reports the group (it just drew tokens): a final_only group when it ended; any other
-        always at stream_interval 1, else with its first tokens, every stream_interval steps and when it ended. What a skipped step made comes with the next
-        output (a RequestOutput holds everything so far)."""
+        always at stream_interval 1, else with its first tokens, every stream_interval steps and when it ended.
+        What a skipped step made comes with the next output (a RequestOutput holds everything so far)."""
         if group.final_only:
             return group.is_finished()
         interval = self.config.stream_interval

@@ -105,7 +105,7 @@ class StructuredOutputs:
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors on a bad spec
             raise GrammarError(_describe(spec, exc)) from exc
         self.last_compile_ms = (time.perf_counter() - start) * 1e3
-        if not _allows_any(self._xgr.GrammarMatcher(compiled), self.vocab_size):  # nothing could ever be sampled: the client's spec
+        if not _allows_any(self._xgr.GrammarMatcher(compiled), self.vocab_size):  # nothing could ever be sampled
             raise GrammarError(_describe(spec, ValueError(_NO_FIRST_TOKEN)))
         size = compiled.memory_size_bytes + len(spec.value)
         with self._lock:
