@@ -12,6 +12,8 @@ from engine.sample.sampler import Sample
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import BlockActions
 from engine.sequence import (
+    FINISH_REASONS,
+    UNFINISHED,
     CompletionOutput,
     RequestOutput,
     Sequence,
@@ -328,35 +330,18 @@ class OutputProcessor:
                 key = lambda s: s.cumulative_logprob  # noqa: E731
             seqs = sorted(group.seqs, key=key, reverse=True)[: params.n] if finished else []
         else:
-            seqs = group.seqs[: params.n]
+            seqs = group.seqs if len(group.seqs) <= params.n else group.seqs[: params.n]
         # While a stop string could still be completing, hold its possible start
         # back, so streamed text never shows what truncation later removes.
-        hold = 0
-        if params.stop and not params.include_stop_str_in_output:
-            hold = max(len(s) for s in params.stop) - 1
+        hold = max(len(s) for s in params.stop) - 1 if params.stop and not params.include_stop_str_in_output else 0
+        keep_logprobs = params.logprobs is not None
         outputs = []
-        for index, seq in enumerate(seqs):
-            text = seq.output_text
-            if hold and not seq.is_finished():
+        for index, seq in enumerate(seqs):  # (positional arguments: this runs for every row of every step)
+            text, status = seq.output_text, seq.status
+            if hold and status in UNFINISHED:
                 text = text[: max(len(text) - hold, 0)]
-            outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                    finish_reason=seq.status.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=group.prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            error=group.error,
-            metrics=group.metrics,
-        )
+            outputs.append(CompletionOutput(index, text, seq.output_token_ids.copy(), seq.cumulative_logprob,
+                                            seq.output_logprobs.copy() if keep_logprobs else None,
+                                            FINISH_REASONS.get(status), seq.stop_reason))
+        return RequestOutput(group.request_id, group.prompt, group.seqs[0].prompt_token_ids, group.prompt_logprobs,
+                             outputs, finished, group.error, group.metrics)

@@ -27,17 +27,17 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in _UNFINISHED
+        return self not in UNFINISHED
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
 # (A tuple of members: `in` compares identities first, where Enum's `value` is a slow descriptor on every read.)
-_UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED)
+UNFINISHED = (SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED)
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
@@ -99,7 +99,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
     def is_finished(self) -> bool:
-        return self.status not in _UNFINISHED
+        return self.status not in UNFINISHED
 
     def fork(self, new_seq_id: int) -> "Sequence":
         child = Sequence.__new__(Sequence)
@@ -196,7 +196,7 @@ class SequenceGroup:
 
     def is_finished(self) -> bool:
         for s in self.seqs:
-            if s.status in _UNFINISHED:
+            if s.status in UNFINISHED:
                 return False
         return True
 
@@ -204,7 +204,7 @@ class SequenceGroup:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One choice of a request, as far as it has been generated."""
 
@@ -217,7 +217,7 @@ class CompletionOutput:
     stop_reason: Union[int, str, None] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request; `finished` marks the last one."""
 
