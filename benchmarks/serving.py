@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import platform
 import random
 import statistics
@@ -33,6 +34,7 @@ from typing import Optional
 import aiohttp
 import httpx
 
+from proc_cpu import CPUWindow  # benchmarks/proc_cpu.py: --server-pid's CPU accounting
 from raw_client import RawStream, RawTarget  # benchmarks/raw_client.py: the default client's HTTP/1.1 and SSE
 
 # Words for --prompt-kind text; random sentences of them tokenize to roughly one token per word.
@@ -194,10 +196,12 @@ def plan_requests(args, level: Optional[int]) -> tuple[list, list]:
 
 
 async def run_load(args, model: str, requests: list, concurrency: Optional[int], rate: float,
-                   health: Optional[list[float]] = None, warmups: list = ()) -> tuple[list, float, float]:
+                   health: Optional[list[float]] = None, warmups: list = (),
+                   server_cpu: Optional[CPUWindow] = None) -> tuple[list, float, float]:
     """Send every request with at most `concurrency` in flight, arrivals Poisson at `rate` (inf: all at once),
     after the `warmups` one by one (untimed); with `health` (a list), probe /health every --health-interval
-    seconds meanwhile into it. Returns (results, seconds, this client's CPU seconds) of the timed part."""
+    seconds meanwhile into it; with `server_cpu`, its window is the timed part. Returns (results, seconds, this
+    client's CPU seconds) of the timed part."""
     limit = concurrency or len(requests)
     sem = asyncio.Semaphore(limit)
     rng = random.Random(args.seed + 1)
@@ -220,6 +224,8 @@ async def run_load(args, model: str, requests: list, concurrency: Optional[int],
 
         for req in warmups:  # untimed: kernel build, allocator, connection setup
             await post(req[0], req[1], min(req[2], 4))
+        if server_cpu is not None:
+            server_cpu.start()
         start, cpu_start = time.perf_counter(), time.process_time()
         probe = None
         if health is not None:
@@ -231,6 +237,8 @@ async def run_load(args, model: str, requests: list, concurrency: Optional[int],
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         duration, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if server_cpu is not None:
+            server_cpu.stop()
         if probe is not None:
             probe.cancel()
             await asyncio.gather(probe, return_exceptions=True)
@@ -279,6 +287,15 @@ def print_summary(s: dict) -> None:
         print(f"    error: {err}")
 
 
+def print_server_cpu(summary: dict, used: dict[int, float], client_cpu: float) -> None:
+    """--server-pid: each server process's CPU seconds, per output token, and the cores the run kept busy."""
+    tokens = max(summary["total_output_tokens"], 1)
+    summary["server_cpu_s"] = {str(pid): s for pid, s in used.items()}
+    parts = [f"pid {pid} {s:.2f} s ({s / tokens * 1e6:.0f} us a token)" for pid, s in used.items() if s >= 0.01]
+    busy = (sum(used.values()) + client_cpu) / summary["duration_s"]
+    print(f"    server CPU {', '.join(parts) or 'none'}; with the client {busy:.2f} cores busy of {os.cpu_count()}")
+
+
 def server_model(base_url: str, timeout: float) -> str:
     """The first model id the server lists."""
     resp = httpx.get(base_url + "/v1/models", timeout=timeout)
@@ -317,6 +334,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="Linux: report the CPU of this process and its children (an engine core) over each run")
     p.add_argument("--output-json", default="benchmarks/results/serving.json")
     p.add_argument("--plot", default=None, help="PNG path: throughput and latency against concurrency")
     p.add_argument("--strict", action="store_true", help="exit 1 when any request failed or got too few tokens")
@@ -334,13 +353,16 @@ def main(argv=None) -> int:
             args.num_prompts = max(args.num_prompts_min, int(args.rounds * level))
         warmups, requests = plan_requests(args, level)
         health = [] if args.health_interval > 0 else None
+        server_cpu = CPUWindow(args.server_pid) if args.server_pid else None
         results, duration, cpu = asyncio.run(run_load(args, model, requests, level, args.request_rate, health,
-                                                      warmups))
+                                                      warmups, server_cpu))
         summary = summarize(results, duration, level, args.request_rate)
         # The client's own CPU: on a machine it shares with the server, what it takes from the server.
         summary["client_cpu_s"] = cpu
         print_summary(summary)
         print(f"    client CPU {cpu:.2f} s ({cpu / duration:.0%} of a core, {args.client} client)")
+        if server_cpu is not None:
+            print_server_cpu(summary, server_cpu.used, cpu)
         if health:
             summary["health_ms"] = {**_stats(health), "max": max(health) * 1000}
             h = summary["health_ms"]

@@ -17,18 +17,23 @@ from soak import start_server  # noqa: E402  (the one CLI-server start the tests
 
 
 @pytest.fixture(scope="module")
-def server_url():
-    """`python -m server.cli serve` with the default model and a small cache, on a free port."""
+def server():
+    """`python -m server.cli serve` with the default model and a small cache, on a free port: (process, url)."""
     proc, url = start_server(["--max-model-len", "256", "--kv-cache-space", "0.05", "--swap-space", "0.05",
                               "--disable-log-stats", "--log-level", "warning"], timeout_s=180)
     try:
-        yield url
+        yield proc, url
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server_url(server):
+    return server[1]
 
 
 def _run(url: str, tmp_path: Path, *extra: str) -> dict:
@@ -53,6 +58,21 @@ def test_fixed_concurrency_every_request_gets_its_tokens(server_url, tmp_path):
         assert set(run[key]) == {"mean", "p50", "p99"}
         assert run[key]["p99"] >= run[key]["p50"] > 0
     assert run["e2e_ms"]["p50"] >= run["ttft_ms"]["p50"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_server_pid_reports_the_server_processes_cpu(server, tmp_path):
+    """--server-pid: the CPU the server process used over the timed run, in the JSON and per token on stdout."""
+    proc, url = server
+    out = tmp_path / "serving.json"
+    cmd = [sys.executable, "benchmarks/serving.py", "--base-url", url, "--input-len", "8", "--output-len", "5",
+           "--num-prompts", "8", "--concurrency", "4", "--warmup", "1", "--strict", "--server-pid", str(proc.pid),
+           "--output-json", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["server_cpu_s"][str(proc.pid)] > 0  # it served 8 requests: at least a clock tick of work
+    assert f"pid {proc.pid} " in done.stdout and "us a token" in done.stdout and "cores busy of" in done.stdout
 
 
 def test_sweep_with_poisson_arrivals_writes_json_and_plot(server_url, tmp_path):
