@@ -1,6 +1,7 @@
 """benchmarks/proc_cpu.py: a process's tree and CPU seconds from /proc, checked against real child processes."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -9,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from proc_cpu import CPUWindow, cpu_seconds, process_tree  # noqa: E402
+# Loaded from its file: benchmarks/ on sys.path at collection would shadow the tests' `kernels` package with
+# benchmarks/kernels.py.
+_spec = importlib.util.spec_from_file_location(
+    "proc_cpu", Path(__file__).resolve().parents[2] / "benchmarks" / "proc_cpu.py")
+proc_cpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(proc_cpu)
+CPUWindow, cpu_seconds, process_tree = proc_cpu.CPUWindow, proc_cpu.cpu_seconds, proc_cpu.process_tree
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 
