@@ -290,7 +290,6 @@ def print_summary(s: dict) -> None:
 def print_server_cpu(summary: dict, used: dict[int, float], client_cpu: float) -> None:
     """--server-pid: each server process's CPU seconds, per output token, and the cores the run kept busy."""
     tokens = max(summary["total_output_tokens"], 1)
-    summary["server_cpu_s"] = {str(pid): s for pid, s in used.items()}
     parts = [f"pid {pid} {s:.2f} s ({s / tokens * 1e6:.0f} us a token)" for pid, s in used.items() if s >= 0.01]
     busy = (sum(used.values()) + client_cpu) / summary["duration_s"]
     print(f"    server CPU {', '.join(parts) or 'none'}; with the client {busy:.2f} cores busy of {os.cpu_count()}")
@@ -362,6 +361,7 @@ def main(argv=None) -> int:
         print_summary(summary)
         print(f"    client CPU {cpu:.2f} s ({cpu / duration:.0%} of a core, {args.client} client)")
         if server_cpu is not None:
+            summary["server_cpu_s"] = {str(pid): s for pid, s in server_cpu.used.items()}
             print_server_cpu(summary, server_cpu.used, cpu)
         if health:
             summary["health_ms"] = {**_stats(health), "max": max(health) * 1000}
