@@ -115,6 +115,8 @@ def instrument(engine, timer: StageTimer) -> None:
     # A greedy batch's head reduces its logits to argmax / logsumexp as it computes them (compute_greedy): that
     # reduction, the sampling stage's work before, is counted in the forward.
     timer.wrap(engine.model_runner.model, "compute_greedy", "forward")
+    if engine.model_runner.graphs is not None:  # a CUDA decode step replays its graph (engine/worker/cuda_graphs.py)
+        timer.wrap(engine.model_runner.graphs, "run", "forward")
     timer.wrap(engine.sampler, "sample", "sampling")
     timer.wrap(engine.sampler, "sample_rows", "sampling")
     timer.wrap(engine.output_processor, "process", "output processing")

@@ -67,7 +67,8 @@ class EngineConfig:
     # Seconds the ranks wait for each other to start, and at most in any one collective.
     distributed_timeout: float = 120.0
     # Every step op by op (the reference). Off: a CPU step runs its decoder layers in one compiled call
-    # (engine/model_executor/models/compiled_decode.py), bit-identical; CUDA steps always run eagerly (no CUDA graphs yet).
+    # (engine/model_executor/models/compiled_decode.py), bit-identical; a CUDA decode-only step replays a CUDA graph
+    # captured for its batch size (engine/worker/cuda_graphs.py), the same tokens.
     enforce_eager: bool = False
     # MiB of compiled structured-output grammars kept (engine/structured_output/grammars.py), least recently used dropped first:
     # every distinct schema, regex or grammar a client sends is a new one (tens of KiB to MiBs each, growing

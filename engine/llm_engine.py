@@ -68,6 +68,7 @@ class LLMEngine:
         self.device, self.dtype = loaded.device, loaded.dtype
         self.model_runner.workers = self.workers
         self.model_runner.reuse_logits = True  # a step's logits are read within the step
+        self.model_runner.capture_graphs(self.cache_engine.device_cache)  # CUDA, one rank, not --enforce-eager
         num_device_blocks, num_cpu_blocks = self.cache_engine.num_device_blocks, self.cache_engine.num_cpu_blocks
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -349,6 +350,7 @@ class LLMEngine:
         self.cache_engine = None  # the old cache's memory goes back before the new one is allocated
         self.cache_engine = CacheEngine(self.config.block_size, self.hf_config, num_device_blocks, num_cpu_blocks,
                                         self.device, self.dtype, self.config.tensor_parallel_size)
+        self.model_runner.capture_graphs(self.cache_engine.device_cache)
         self._build_scheduling(num_device_blocks, num_cpu_blocks)
         return dropped
 

@@ -90,8 +90,9 @@ def report(work: Path, out: Path) -> None:
         name, status, seconds, summary = (row.split("\t") + [""] * 4)[:4]
         lines.append(f"| {name} | {status}{': ' + summary if summary else ''} | {seconds} |")
     lines.append("")
-    lines += _kernels(work / "kernels.json") + _throughput(work) + _serving(work / "serving.json")
-    lines += _profile(work)
+    lines += _kernels(work / "kernels.json") + _throughput(work) + _profile(work)
+    for path in sorted(work.glob("serving*.json")):
+        lines += _serving(path)
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -136,8 +137,9 @@ def _serving(path: Path) -> list[str]:
     if data is None:
         return []
     runs, config = data.get("runs", []), data.get("config", {})
-    lines = [f"### Served: `pagedserve serve` on the same model, benchmarks/serving.py ({config.get('input_len', '?')} "
-             f"in, {config.get('output_len', '?')} out)", "",
+    flags = " --engine-core-process" if "core" in path.name else ""
+    lines = [f"### Served: `pagedserve serve{flags}` on the same model, benchmarks/serving.py "
+             f"({config.get('input_len', '?')} in, {config.get('output_len', '?')} out)", "",
              "| concurrency | output tokens/s | TPOT p50 ms | ITL p50 ms | TTFT p50 ms | failed |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in runs:
@@ -158,7 +160,7 @@ def _profile(work: Path) -> list[str]:
     for path in sorted(work.glob("profile-*.json")):
         data = json.loads(path.read_text())
         parts = ", ".join(f"{k} {v:.2f}" for k, v in data.get("stages_ms", {}).items())
-        weights = " (fp8 weights)" if "fp8" in path.name else ""
+        weights = " (fp8 weights)" if "fp8" in path.name else " (--enforce-eager)" if "eager" in path.name else ""
         lines.append(f"- decode step at batch {data.get('batch', '?')}{weights}: "
                      f"{data.get('step_ms', float('nan')):.2f} ms"
                      f"{' (' + parts + ')' if parts else ''}")

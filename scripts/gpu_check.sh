@@ -29,7 +29,9 @@
 #     they are installed with --no-index into a scratch folder put on PYTHONPATH, never into PYTHON.
 # Variables: REPORT (default benchmarks/results/gpu_check.md), WORK (scratch, default a temp dir), PORT (18765),
 # GPU_CHECK_CPU=1 runs every step with tiny sizes on the CPU: it checks this script's plumbing on a machine
-# without a GPU, and proves nothing about CUDA.
+# without a GPU, and proves nothing about CUDA. GPU_CHECK_SKIP_CPU_SUITE=1 leaves out the host CPU's test suite
+# (CI runs it; on a lent GPU it only costs device time), GPU_CHECK_SKIP_HF=1 the HF generate baseline; SWEEP
+# (default 1,16,64,256) the served concurrencies. STEP_TIMEOUT (default 600) bounds each step in seconds.
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,6 +41,7 @@ report="${REPORT:-$root/benchmarks/results/gpu_check.md}"
 work="${WORK:-$(mktemp -d)}"
 cpu_mode="${GPU_CHECK_CPU:-0}"
 port="${PORT:-18765}"
+step_timeout="${STEP_TIMEOUT:-600}"
 mkdir -p "$work" "$(dirname "$report")"
 : > "$work/steps.tsv"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -88,7 +91,8 @@ device="cuda"; [ "$cpu_mode" = 1 ] && device="cpu"
 import platform, sys, torch
 if sys.argv[1] == "cuda":
     p = torch.cuda.get_device_properties(0)
-    print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs; torch {torch.__version__} "
+    print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, compute capability "
+          f"{p.major}.{p.minor}; torch {torch.__version__} "
           f"(CUDA {torch.version.cuda})", end="")
 else:
     print(f"CPU {platform.processor() or platform.machine()} (GPU_CHECK_CPU=1: plumbing check only); "
@@ -113,13 +117,17 @@ step() {  # step NAME CMD...: runs it, logs to $work/NAME.log, records pass/fail
   local name="$1"; shift
   echo ">> $name"
   local start=$SECONDS status=pass
-  "$@" 2>&1 | tee "$work/$name.log" || status=FAIL
+  if declare -F "$1" >/dev/null; then  # a function of this script: its long commands carry their own timeout
+    "$@" 2>&1 | tee "$work/$name.log" || status=FAIL
+  else
+    timeout "$step_timeout" "$@" 2>&1 | tee "$work/$name.log" || status=FAIL
+  fi
   record "$name" "$status" $((SECONDS - start)) "$work/$name.log"
   echo "<< $name: $status ($((SECONDS - start)) s)"
 }
 # shellcheck disable=SC2329  # invoked through step
-pytest() { "$python" -m pytest -q -p no:cacheprovider "$@"; }
-helper() { "$python" "$root/scripts/gpu_check.py" "$@"; }
+pytest() { timeout "$step_timeout" "$python" -m pytest -q -p no:cacheprovider "$@"; }
+helper() { timeout "$step_timeout" "$python" "$root/scripts/gpu_check.py" "$@"; }
 
 step build "$python" -c "
 import logging, sys
@@ -137,8 +145,11 @@ if [ "$cpu_mode" = 1 ]; then
 else
   cpu_tests=(tests/kernels tests/model -m "not slow" -k "not cuda and not split_decode and not int8_compiled_step")
 fi
-OMP_NUM_THREADS=$cpu_threads pytest "${cpu_tests[@]}" > "$work/cpu-suite.log" 2>&1 &
-cpu_pid=$!
+cpu_pid=
+if [ "${GPU_CHECK_SKIP_CPU_SUITE:-0}" != 1 ]; then
+  OMP_NUM_THREADS=$cpu_threads pytest "${cpu_tests[@]}" > "$work/cpu-suite.log" 2>&1 &
+  cpu_pid=$!
+fi
 
 if [ "$cpu_mode" = 1 ]; then
   step cuda-kernel-tests pytest tests/kernels/test_backend.py tests/kernels/test_attention.py -k "backend or refuse or edge"
@@ -150,7 +161,7 @@ else
 fi
 # shellcheck disable=SC2329  # invoked through step
 prefill_kernel() {
-  "$python" - "$device" <<'EOF'
+  timeout "$step_timeout" "$python" - "$device" <<'EOF'
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from engine.model_executor.layers.prefill_kernels import ProbeShape, candidates_for, installed_kernels, select_prefill_kernel
@@ -184,7 +195,7 @@ serve_and_request() {  # serve_and_request MODEL_DIR ARGS...: one completion thr
     > "$work/server.log" 2>&1 &
   local pid=$! code=000
   wait_healthy "$pid" || true  # the request or the sweep below reports a server that never came up
-  code=$(curl -sS -o "$work/completion.json" -w '%{http_code}' "http://127.0.0.1:$port/v1/completions" \
+  code=$(curl -sS -m 120 -o "$work/completion.json" -w '%{http_code}' "http://127.0.0.1:$port/v1/completions" \
     -H 'Content-Type: application/json' -d '{"prompt": "The capital of France is", "max_tokens": 8}')
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
   echo "HTTP $code: $(head -c 300 "$work/completion.json")"
@@ -196,15 +207,17 @@ if [ "$cpu_mode" = 1 ]; then
   step kernel-bench "$python" benchmarks/kernels.py --device cpu --batches 1 --contexts 128 --min-time 0.01 \
     --out "$work/kernels.json"
 else
-  step kernel-bench "$python" benchmarks/kernels.py --device cuda --batches 1 256 --contexts 2048 \
+  step kernel-bench "$python" benchmarks/kernels.py --device cuda --full --min-time 0.05 \
     --out "$work/kernels.json"
 fi
 
 # Wait for the CPU suite before the timed runs below.
-cpu_status=pass
-wait "$cpu_pid" || cpu_status=FAIL
-tail -3 "$work/cpu-suite.log"
-record cpu-suite "$cpu_status" $((SECONDS - cpu_start)) "$work/cpu-suite.log"
+if [ -n "$cpu_pid" ]; then
+  cpu_status=pass
+  wait "$cpu_pid" || cpu_status=FAIL
+  tail -3 "$work/cpu-suite.log"
+  record cpu-suite "$cpu_status" $((SECONDS - cpu_start)) "$work/cpu-suite.log"
+fi
 
 big_size=1b; [ "$cpu_mode" = 1 ] && big_size=tiny
 step llama-1b-random-model helper model "$work/llama-1b" --like "$tokenizer_dir" --size "$big_size" \
@@ -215,32 +228,39 @@ if [ "$cpu_mode" = 1 ]; then
   batches=(1 2); steps=4
 else
   sizes=(--num-prompts 256 --input-len 128 --output-len 128 --hf-sequential-prompts 0 --hf-batch-sizes 256)
-  sweep=(--sweep "1,16,64,256" --input-len 128 --output-len 128 --rounds 1 --warmup 2)
+  [ "${GPU_CHECK_SKIP_HF:-0}" = 1 ] && sizes+=(--skip-hf)
+  sweep=(--sweep "${SWEEP:-1,16,64,256}" --input-len 128 --output-len 128 --rounds 1 --warmup 2)
   batches=(1 256); steps=32
 fi
 step throughput "$python" benchmarks/throughput.py --model "$work/llama-1b" --dtype bfloat16 --hf-dtypes bfloat16 \
   "${sizes[@]}" --output-json "$work/throughput.json"
 
-# shellcheck disable=SC2329  # invoked through step
-serve_sweep() {
-  "$python" -m server.cli serve "$work/llama-1b" --device "$device" --dtype bfloat16 --host 127.0.0.1 \
-    --port "$port" --max-model-len 512 --max-num-seqs 256 > "$work/server-sweep.log" 2>&1 &
-  local pid=$! rc=0
-  wait_healthy "$pid" || true  # the request or the sweep below reports a server that never came up
-  "$python" benchmarks/serving.py --base-url "http://127.0.0.1:$port" "${sweep[@]}" --strict \
-    --output-json "$work/serving.json" || rc=1
-  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
-  [ "$rc" = 0 ] || tail -20 "$work/server-sweep.log"
-  return "$rc"
-}
-step serve-sweep serve_sweep
 for b in "${batches[@]}"; do
   step "profile-step-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" --dtype bfloat16 \
     --batch "$b" --steps "$steps" --output-json "$work/profile-$b.json"
+  # The same step op by op (no CUDA graphs): what the graphs win.
+  step "profile-step-eager-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" \
+    --dtype bfloat16 --enforce-eager --batch "$b" --steps "$steps" --output-json "$work/profile-eager-$b.json"
   # fp8 weights (--quantization fp8: torch's scaled matmul): the same step with half the weight bytes.
   step "profile-step-fp8-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" --dtype bfloat16 \
     --quantization fp8 --batch "$b" --steps "$steps" --output-json "$work/profile-fp8-$b.json"
 done
+
+# shellcheck disable=SC2329  # invoked through step
+serve_sweep() {  # serve_sweep NAME SERVER_FLAGS...: the sweep against `pagedserve serve`, to $work/NAME.json
+  local name="$1"; shift
+  "$python" -m server.cli serve "$work/llama-1b" --device "$device" --dtype bfloat16 --host 127.0.0.1 \
+    --port "$port" --max-model-len 512 --max-num-seqs 256 "$@" > "$work/server-$name.log" 2>&1 &
+  local pid=$! rc=0
+  wait_healthy "$pid" || true  # the request or the sweep below reports a server that never came up
+  timeout "$step_timeout" "$python" benchmarks/serving.py --base-url "http://127.0.0.1:$port" "${sweep[@]}" \
+    --strict --output-json "$work/$name.json" || rc=1
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  [ "$rc" = 0 ] || tail -20 "$work/server-$name.log"
+  return "$rc"
+}
+step serve-sweep serve_sweep serving
+step serve-sweep-core-process serve_sweep serving-core --engine-core-process
 
 # ---- the report
 helper report "$work" "$report" || die "the report failed"

@@ -14,14 +14,43 @@ namespace cuda_kernels {
 
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
-// Context tokens one thread block handles in the partitioned (v2) kernel.
-constexpr int kPartitionSize = 512;
+// Context tokens one thread block handles in the paged decode kernel (paged_decode.cuh): a sequence whose
+// attended span is longer is split into partitions that a second kernel merges. Fixed, so that a
+// sequence's result never depends on the batch it is in.
+constexpr int kPartitionSize = 256;
+// Partitions whose merge weights the reduce keeps in shared memory (longer contexts recompute them).
+constexpr int kMaxReducePartitions = 512;
 
-// Bytes of float32 scratch the attention launch needs (0 when the single-pass
-// kernel is chosen). max_context_len may be an upper bound (block table width
-// times block size), which avoids reading context_lens back to the host.
+// Partitions of the longest attended span (max_context_len may be an upper bound: the block table's width
+// times the block size, which avoids reading context_lens back to the host).
+inline int paged_decode_partitions(int max_context_len) {
+  return max_context_len <= 0 ? 1 : (max_context_len + kPartitionSize - 1) / kPartitionSize;
+}
+
+// Bytes of float32 scratch the attention launch needs (0 when every sequence fits one partition).
 size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_size, int max_context_len,
                                        int sliding_window);
+
+// One paged decode launch's arguments (paged_attention_launch fills them).
+struct PagedDecodeArgs {
+  void* out;                    // [num_seqs, num_heads, head_size] contiguous
+  const void* query;            // [num_seqs, num_heads, head_size] rows strided by q_stride_*
+  const void* key_cache;        // [num_blocks, num_kv_heads, block_size, head_size]
+  const void* value_cache;      // [num_blocks, num_kv_heads, block_size, head_size]
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  const int32_t* context_lens;  // [num_seqs]
+  float* workspace;             // paged_attention_workspace_bytes(...) bytes, or null when that is 0
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  int max_context_len;          // bounds every attended span (a window's length when it is shorter)
+  int64_t q_stride_seq, q_stride_head;
+  float scale;
+  int sliding_window;           // > 0: each query sees its last sliding_window tokens; 0: the whole context
+};
+
+// The per-dtype launchers (attention_{f32,f16,bf16}.cu).
+cudaError_t paged_decode_f32(const PagedDecodeArgs& args, cudaStream_t stream);
+cudaError_t paged_decode_f16(const PagedDecodeArgs& args, cudaStream_t stream);
+cudaError_t paged_decode_bf16(const PagedDecodeArgs& args, cudaStream_t stream);
 
 cudaError_t paged_attention_launch(
     DType dtype,

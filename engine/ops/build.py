@@ -33,7 +33,8 @@ _SOURCES_CPU = (
     "cpu/q8_gemm.cpp",
 )
 _SOURCES_CUDA = (
-    "cuda/attention_kernels.cu", "cuda/cache_kernels.cu", "cuda/elementwise_kernels.cu", "cuda/torch_bindings.cpp",
+    "cuda/attention_kernels.cu", "cuda/attention_f32.cu", "cuda/attention_f16.cu", "cuda/attention_bf16.cu",
+    "cuda/cache_kernels.cu", "cuda/elementwise_kernels.cu", "cuda/torch_bindings.cpp",
 )
 
 

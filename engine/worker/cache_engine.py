@@ -20,6 +20,7 @@ import torch
 from engine import ops
 from engine.core.block_manager import max_admissible_tokens
 from engine.config import EngineConfig
+from engine.worker.cuda_graphs import graph_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def determine_num_blocks(
 
 # The CUDA paged kernel's partition (csrc/cuda/launchers.h kPartitionSize): its v2 workspace holds, per
 # sequence, head and partition, head_size + 2 floats.
-_CUDA_PARTITION = 512
+_CUDA_PARTITION = 256
 
 
 def step_scratch_bytes(config: EngineConfig, hf_config) -> dict[str, int]:
@@ -178,18 +179,22 @@ def step_scratch_bytes(config: EngineConfig, hf_config) -> dict[str, int]:
 
     - prompt_logprobs: float32 logits of every token of a step and their log-softmax;
     - paged_attention_v2: the partitioned decode kernel's workspace for max_num_seqs sequences at max_model_len;
-    - sampler: per sequence, float32 logits, probabilities, log-probabilities and one sorted copy (top-p/top-k).
+    - sampler: per sequence, float32 logits, probabilities, log-probabilities and one sorted copy (top-p/top-k);
+    - cuda_graphs: the decode graphs' pool (engine/worker/cuda_graphs.py), unless --enforce-eager or TP.
     """
     tokens = config.max_num_batched_tokens or 2048  # as ModelRunner.profile_run
     seqs = config.max_num_seqs
     vocab = int(hf_config.vocab_size)
     _, _, head_size = kv_shape(hf_config)
     partitions = math.ceil((config.max_model_len or hf_config.max_position_embeddings) / _CUDA_PARTITION)
-    return {
+    scratch = {
         "prompt_logprobs": 2 * tokens * vocab * 4,
         "paged_attention_v2": seqs * hf_config.num_attention_heads * partitions * (head_size + 2) * 4,
         "sampler": 4 * seqs * vocab * 4,
     }
+    if not config.enforce_eager and config.tensor_parallel_size == 1:
+        scratch["cuda_graphs"] = graph_memory_bytes(config, hf_config, dtype_bytes=4)  # float32: the largest
+    return scratch
 
 
 def _profile_cuda_blocks(config: EngineConfig, block_bytes: int, device, profile, scratch: int) -> int:

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.distributed.group import TPGroup
 from engine.model_executor.layers.prefill_kernels import PrefillBatch, ProbeShape, candidates_for, select_prefill_kernel
 from engine.sample.prompt_logprobs import logits_positions
+from engine.worker.cuda_graphs import DecodeGraphs, maybe_capture
 from engine.platform.memory import find_malloc_trim
 from engine.sample.sampler import GreedyStats
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -160,6 +161,17 @@ class ModelRunner:
         self.reuse_logits = False
         self._logits_buffer: Optional[torch.Tensor] = None
         self._trim_heap = find_malloc_trim() if self.device.type == "cpu" else None
+        self.graphs: Optional[DecodeGraphs] = None  # CUDA: the decode steps' graphs (capture_graphs)
+
+    def capture_graphs(self, kv_caches: list[KVCache]) -> None:
+        """Captures the decode-only steps' CUDA graphs against this cache (engine/worker/cuda_graphs.py), where
+        they serve; again after the cache was reallocated. With graphs, a step's input is built on the host (the
+        steady decode's batch moves on there, as on the CPU) and staged into the graphs' buffers."""
+        self.graphs = None  # the old graphs hold the old cache's addresses and their pool
+        self.graphs = maybe_capture(self.model, kv_caches, self.config, self.device, self.tp.world_size)
+        if self.graphs is not None:
+            self._input_device = torch.device("cpu")
+            self.batch = None
 
     def _logits_out(self, rows: int) -> Optional[torch.Tensor]:
         """[rows, vocab] float32 of the kept buffer, or None (not reusing, or not on the CPU)."""
@@ -222,6 +234,10 @@ class ModelRunner:
 
     def _forward(self, inp: ModelInput, kv_caches: list[KVCache], greedy: bool = False,
                  ) -> tuple[Optional[torch.Tensor | GreedyStats], dict[str, Optional[torch.Tensor]]]:
+        graphs = self.graphs
+        if graphs is not None and kv_caches is graphs.kv_caches and graphs.serves(inp.input_ids, inp.meta):
+            logits = graphs.run(inp.input_ids, inp.positions, inp.meta, kv_caches)  # decode rows, in order
+            return (GreedyStats.of(logits) if greedy else logits), {}
         inp = inp.to(self.device)
         meta = inp.meta
         meta.prefill_batch = self._prefill_batch(meta.prefills)

@@ -69,3 +69,47 @@ def test_cuda_beam_search_matches_hf(cuda_llm, hf_tiny64, prompt_ids):
     outputs = cuda_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         assert [c.token_ids for c in out.outputs] == hf_beams(hf_tiny64, prompt, 3, 1.0, False, None)
+
+
+@CUDA
+def test_cuda_graphs_serve_decode_steps_with_the_eager_tokens(make_llm, cuda_llm, prompt_ids):
+    """Decode-only steps replay a captured graph (one per batch size, padded rows attend to nothing) and give
+    the tokens of the same engine run op by op (--enforce-eager), greedy and seeded."""
+    eager = make_llm("tiny64", device="cuda", enforce_eager=True)
+    assert eager.engine.model_runner.graphs is None
+    graphs = cuda_llm.engine.model_runner.graphs
+    assert graphs is not None and graphs.sizes[:4] == [1, 2, 4, 8]
+    before = graphs.replays
+    for params in (greedy(ignore_eos=True), seeded_pair(ignore_eos=True)):
+        got = token_ids(cuda_llm.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=False))
+        want = token_ids(eager.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=False))
+        assert got == want
+    assert graphs.replays - before >= 2 * (MAX_TOKENS - 1)  # every decode-only step of both runs replayed
+
+
+@CUDA
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_cuda_graphs_keep_eager_tokens_under_preemption(make_llm, prompt_ids, mode):
+    eager = make_llm("tiny64", device="cuda", enforce_eager=True)
+    pressed = make_llm("tiny64", device="cuda", num_gpu_blocks_override=2 * blocks_for(MAX_MODEL_LEN) + 1,
+                       preemption_mode=mode)
+    for params in (greedy(ignore_eos=True), seeded_pair(ignore_eos=True)):
+        got = token_ids(pressed.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=False))
+        assert got == token_ids(eager.generate(prompt_token_ids=prompt_ids, sampling_params=params, use_tqdm=False))
+    assert getattr(pressed.engine.get_stats(), f"num_preemptions_{mode}") > 0
+    assert pressed.engine.model_runner.graphs.replays > 0
+
+
+@CUDA
+def test_cuda_graphs_are_captured_again_after_an_engine_reset(make_llm, prompt_ids):
+    llm = make_llm("tiny64", device="cuda", max_num_seqs=24)
+    want = token_ids(llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(ignore_eos=True),
+                                  use_tqdm=False))
+    old = llm.engine.model_runner.graphs
+    llm.engine.reset()  # a new KV cache: the old graphs hold the old one's addresses
+    graphs = llm.engine.model_runner.graphs
+    assert graphs is not old and graphs.kv_caches is llm.engine.cache_engine.device_cache
+    assert graphs.sizes == [1, 2, 4, 8, 16, 24]
+    got = token_ids(llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(ignore_eos=True),
+                                 use_tqdm=False))
+    assert got == want and graphs.replays > 0

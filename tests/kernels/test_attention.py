@@ -61,21 +61,21 @@ def test_paged_attention_other_head_sizes_float16(device, head_size):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_long_context_uses_partitions_and_matches(device):
-    # Past the CUDA kernel's partition size (512), so its v2 path is exercised there.
+    # Past the CUDA kernel's partition size (256), so its partitions and their merge are exercised there.
     case = make_case(1, 4, 64, 16, [1500, 3, 700], torch.float32, device, seed=5)
     out, ref = run_both(*case)
     torch.testing.assert_close(out, ref, **tolerances(torch.float32))
 
 
 # Every context length that sits on an edge: one token, around a 16-token block, around the CUDA kernel's
-# 512-token partition, long, past its 8192-token single-pass limit, and empty.
-EDGE_CONTEXTS = [1, 15, 16, 17, 511, 513, 4096, 9000, 0]
+# 256-token partition, long, past the reduce's 512 partitions kept in shared memory, and empty.
+EDGE_CONTEXTS = [1, 15, 16, 17, 255, 256, 257, 4096, 140000, 0]
 KERNELS = {
-    # v2: 9000 tokens force the partitioned kernel and its reduce; the 1-token and empty sequences leave
-    # all their partitions but the first (or all of them) empty.
-    "v2": (EDGE_CONTEXTS, 1),
-    # single pass over 4096 tokens: enough (sequence, head) blocks to fill the GPU (> 512) keep it single-pass.
-    "single": ([n for n in EDGE_CONTEXTS if n <= 4096], 18),
+    # partitioned: the long sequences are merged from their partitions by the reduce kernel; the short and
+    # empty ones are finished by their one partition in the same launch.
+    "partitioned": (EDGE_CONTEXTS, 1),
+    # one partition: no sequence is longer than 256 tokens, so the launch needs no workspace and no reduce.
+    "one-partition": ([n for n in EDGE_CONTEXTS if n <= 256], 18),
 }
 CUDA_HEAD_SIZES = [64, 80, 96, 128, 256]
 
@@ -83,10 +83,10 @@ CUDA_HEAD_SIZES = [64, 80, 96, 128, 256]
 def check_kernel_case(kernel, num_kv_heads, group, head_size, block_size, dtype, device, seed=0):
     query, key_cache, value_cache, tables, lens = make_case(
         num_kv_heads, group, head_size, block_size, KERNELS[kernel][0], dtype, device, seed, draw_on_device=True)
-    if device == "cuda":  # the launch picks the kernel this case is for
+    if device == "cuda":  # the launch takes the path this case is for
         width = tables.shape[1] * block_size
         workspace = ops._load().paged_attention_workspace_bytes(query.shape[0], query.shape[1], head_size, width, 0)
-        assert (workspace > 0) == (kernel == "v2")
+        assert (workspace > 0) == (kernel == "partitioned")
     out, ref = run_both(query, key_cache, value_cache, tables, lens)
     empty = lens == 0
     assert torch.equal(out[empty], torch.zeros_like(out[empty]))
@@ -104,13 +104,42 @@ def test_cuda_every_dtype_head_and_block_size_on_both_kernels(kernel, block_size
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 8, 12, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_ratios_over_edge_contexts(device, kernel, group, dtype):
+    # Groups of 1, 2-4 and 5-8 heads each have a kernel of their own on CUDA; 12 and 16 are cut into tiles of 8.
     if device == "cpu" and (dtype != torch.float32 or group != 4):
         pytest.skip("the CPU kernel's dtypes and groups are covered above; one CPU run keeps the suite fast")
-    kv_heads = KERNELS[kernel][1] * 8 // group if device == "cuda" else 1
+    kv_heads = max(1, KERNELS[kernel][1] * 8 // group) if device == "cuda" else 1
     check_kernel_case(kernel, kv_heads, group, 64 if device == "cpu" else 128, 16, dtype, device, seed=group)
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 300])
+def test_cuda_sequence_result_does_not_depend_on_its_batch(dtype, window):
+    # A CUDA graph replays a decode step at a padded batch with the widest block table; its tokens must be the
+    # eager step's. So a sequence's output is bit-identical alone, in a batch, beside padding rows (context 0)
+    # and under a wider table: its partitions depend on its own context alone.
+    lens = [700, 3, 256, 1500]
+    query, key_cache, value_cache, tables, ctx = make_case(2, 4, 128, 16, lens, dtype, "cuda", seed=11)
+    scale = 128 ** -0.5
+    batch = torch.empty_like(query)
+    ops.paged_attention(batch, query, key_cache, value_cache, tables, ctx, scale, window)
+    for i in range(len(lens)):
+        alone = torch.empty_like(query[i:i + 1])
+        width = (lens[i] + 15) // 16
+        ops.paged_attention(alone, query[i:i + 1], key_cache, value_cache, tables[i:i + 1, :width].contiguous(),
+                            ctx[i:i + 1], scale, window)
+        assert torch.equal(alone, batch[i:i + 1])
+    padded_q = torch.cat([query, torch.zeros_like(query[:3])])
+    padded_tables = torch.zeros(len(lens) + 3, 4 * tables.shape[1], dtype=torch.int32, device="cuda")
+    padded_tables[: len(lens), : tables.shape[1]] = tables
+    padded_ctx = torch.cat([ctx, torch.zeros(3, dtype=torch.int32, device="cuda")])
+    padded = torch.full_like(padded_q, float("nan"))
+    ops.paged_attention(padded, padded_q, key_cache, value_cache, padded_tables, padded_ctx, scale, window)
+    assert torch.equal(padded[: len(lens)], batch)
+    assert torch.equal(padded[len(lens):], torch.zeros_like(padded[len(lens):]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,7 @@
 """The cache engine moves KV bytes exactly, and sizes the cache or refuses with the flag to change."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -141,7 +142,10 @@ def test_cuda_memory_plan_reserves_the_step_scratch_the_profile_misses():
     vocab = HF_CONFIG.vocab_size
     assert scratch["prompt_logprobs"] >= 1024 * vocab * 4  # float32 logits of every token of a step
     assert scratch["sampler"] >= 64 * vocab * 4
-    assert scratch["paged_attention_v2"] == 64 * 4 * (4096 // 512) * (16 + 2) * 4
+    assert scratch["paged_attention_v2"] == 64 * 4 * (4096 // 256) * (16 + 2) * 4
+    # The decode graphs' pool: at least the largest captured batch's float32 logits and its attention workspace.
+    assert scratch["cuda_graphs"] >= 64 * vocab * 4 + scratch["paged_attention_v2"]
+    assert "cuda_graphs" not in step_scratch_bytes(dataclasses.replace(config, enforce_eager=True), HF_CONFIG)
     if torch.cuda.is_available():  # the kernel's own sizing, for a head size it runs
         from engine import ops
         cfg64 = tiny_llama_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64)
