@@ -251,10 +251,13 @@ def main() -> None:
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with ops_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        on_cuda = engine.device.type == "cuda"  # then the kernels' device time, graph replays' kernels included
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        with ops_ranges(), profile(activities=activities) as prof:
             for _ in range(8):
                 engine.step()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        sort_by = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=25))
 
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
