@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every step op by op in Python (the reference path). By default a CPU step "
                             "(decode and prefill) runs all its layers in one compiled call (the eager arithmetic "
                             "in its order, the MLP's gate/up linear and activation fused into one kernel on AVX-512: "
-                            "the same tokens and logprobs); CUDA steps always run eagerly (no CUDA graphs yet)")
+                            "the same tokens and logprobs); on CUDA a decode-only step replays a CUDA graph captured at start for "
+                            "its batch size (the same tokens); tensor-parallel steps always run eagerly")
     serve.add_argument("--grammar-cache-mb", type=float, default=16.0,
                        help="MiB of compiled structured-output grammars kept, least recently used dropped first")
     serve.add_argument("--stream-interval", type=int, default=1,

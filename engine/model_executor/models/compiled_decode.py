@@ -9,7 +9,7 @@ it runs prefill and mixed prefill + decode steps too (their prompts with or with
 the same few milliseconds of a first token. The eager path stays the reference: `--enforce-eager`
 (EngineConfig.enforce_eager) switches this one off, and every step it does not cover runs eagerly:
 
-- CUDA (the ops' CUDA kernels; CUDA graphs would be that device's twin of this), the torch-reference backend;
+- CUDA (the ops' CUDA kernels; the CUDA graphs of engine/worker/cuda_graphs.py are that device's twin of this), the torch-reference backend;
 - tensor parallelism (the all-reduces are Python collectives);
 - linears not served by the small-row kernel at this row count (oneDNN's rows, PAGEDSERVE_SMALL_ROW_LINEAR=0,
   a model whose linears were not packed): on a CPU where oneDNN keeps the prefill (bfloat16 with AMX) only
