@@ -1,7 +1,8 @@
 """Builds and loads pagedserve's compiled ops (csrc/), and says which backend serves them.
 
 The C++/CUDA sources in csrc/ are JIT-built with torch.utils.cpp_extension on first
-use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir). Where CUDA is
+use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir), in a folder per sources and
+ISA, which one process builds at a time (engine/ops/build_lock.py). Where CUDA is
 visible the build also holds the CUDA kernels. If the build fails (no compiler, say)
 the backend is the pure-torch reference, with a warning; PAGEDSERVE_OPS_BACKEND=torch
 forces it. An engine on a CUDA device refuses to start without the compiled CUDA
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from engine.ops.build_lock import build_lock
 
 logger = logging.getLogger("pagedserve.ops")
 
@@ -143,7 +146,9 @@ def _build(csrc: Path, with_cuda: bool):
     cflags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", *isa_flags]
     if with_cuda:
         cflags.append("-DPAGEDSERVE_CUDA")
-    return load(
+    # load() under our lock as well as torch's: torch's is left behind by a killed build, then waited on forever.
+    locked_load = build_lock(build_dir, float(os.environ.get("PAGEDSERVE_BUILD_TIMEOUT", "1800")))(load)
+    return locked_load(
         name=name,
         sources=[str(csrc / s) for s in sources],
         extra_cflags=cflags,
