@@ -1,7 +1,7 @@
 """Builds and loads pagedserve's compiled ops (csrc/), and says which backend serves them.
 
 The C++/CUDA sources in csrc/ are JIT-built with torch.utils.cpp_extension on first
-use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir), in a folder per sources and
+use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir), in a folder per sources, their path and
 ISA, which one process builds at a time (engine/ops/build_lock.py). Where CUDA is
 visible the build also holds the CUDA kernels. If the build fails (no compiler, say)
 the backend is the pure-torch reference, with a warning; PAGEDSERVE_OPS_BACKEND=torch
@@ -126,7 +126,9 @@ def _build(csrc: Path, with_cuda: bool):
 
     isa, isa_flags = _cpu_isa_flags()
     sources = list(_SOURCES_CPU) + (list(_SOURCES_CUDA) if with_cuda else [])
-    digest = hashlib.sha1()
+    # The sources' folder is in the name too: torch's build.ninja holds absolute paths, so two checkouts sharing
+    # one build folder would each rebuild what the other built.
+    digest = hashlib.sha1(str(csrc.resolve()).encode())
     for rel in sorted(p.relative_to(csrc).as_posix() for p in csrc.rglob("*") if p.is_file()):
         digest.update(rel.encode() + (csrc / rel).read_bytes())
     name = f"pagedserve_{'cuda' if with_cuda else 'cpu'}_{isa}_{digest.hexdigest()[:10]}"

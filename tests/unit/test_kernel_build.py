@@ -130,6 +130,19 @@ def test_a_live_build_is_waited_for_not_clobbered(tmp_path):
     assert "stale" not in log
 
 
+def test_two_checkouts_started_alternately_keep_their_own_builds(tmp_path):
+    # Same sources, two paths: a folder keyed on the sources alone was shared, and torch's build.ninja names the
+    # sources by absolute path, so each start rebuilt what the other checkout had built.
+    a, b, cache = _checkout(tmp_path / "a"), _checkout(tmp_path / "b"), tmp_path / "cache"
+    built = {}
+    for checkout in (a, b, a, b):
+        module, _ = _start(checkout, cache)
+        built.setdefault(checkout, (module, module.stat().st_mtime_ns))
+        assert built[checkout] == (module, module.stat().st_mtime_ns), f"{checkout.name} rebuilt its kernels"
+    assert built[a][0].parent != built[b][0].parent
+    assert all(m.stat().st_mtime_ns == t for m, t in built.values())
+
+
 def _build_lock_module():
     """engine/ops/build_lock.py on its own (it needs no torch), as a child process loads it too."""
     spec = importlib.util.spec_from_file_location("build_lock", ROOT / "engine" / "ops" / "build_lock.py")
