@@ -64,8 +64,8 @@ def _env(cache: Path) -> dict:
 
 
 def _spawn(checkout: Path, cache: Path, stall: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", START, str(checkout), "stall" if stall else "build"], cwd=ROOT, env=_env(cache),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", START, str(checkout), "stall" if stall else "build"], cwd=ROOT,
+                            env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc: subprocess.Popen) -> tuple[Path, str]:
