@@ -1,7 +1,8 @@
 """Builds and loads pagedserve's compiled ops (csrc/), and says which backend serves them.
 
 The C++/CUDA sources in csrc/ are JIT-built with torch.utils.cpp_extension on first
-use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir). Where CUDA is
+use and cached (in $PAGEDSERVE_CACHE, else torch's extensions dir), in a folder per sources, their path and
+ISA, which one process builds at a time (engine/ops/build_lock.py). Where CUDA is
 visible the build also holds the CUDA kernels. If the build fails (no compiler, say)
 the backend is the pure-torch reference, with a warning; PAGEDSERVE_OPS_BACKEND=torch
 forces it. An engine on a CUDA device refuses to start without the compiled CUDA
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from engine.ops.build_lock import build_lock
 
 logger = logging.getLogger("pagedserve.ops")
 
@@ -124,7 +127,9 @@ def _build(csrc: Path, with_cuda: bool):
 
     isa, isa_flags = _cpu_isa_flags()
     sources = list(_SOURCES_CPU) + (list(_SOURCES_CUDA) if with_cuda else [])
-    digest = hashlib.sha1()
+    # The sources' folder is in the name too: torch's build.ninja holds absolute paths, so two checkouts sharing
+    # one build folder would each rebuild what the other built.
+    digest = hashlib.sha1(str(csrc.resolve()).encode())
     for rel in sorted(p.relative_to(csrc).as_posix() for p in csrc.rglob("*") if p.is_file()):
         digest.update(rel.encode() + (csrc / rel).read_bytes())
     name = f"pagedserve_{'cuda' if with_cuda else 'cpu'}_{isa}_{digest.hexdigest()[:10]}"
@@ -144,7 +149,9 @@ def _build(csrc: Path, with_cuda: bool):
     cflags = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-trapping-math", *isa_flags]
     if with_cuda:
         cflags.append("-DPAGEDSERVE_CUDA")
-    return load(
+    # load() under our lock as well as torch's: torch's is left behind by a killed build, then waited on forever.
+    locked_load = build_lock(build_dir, float(os.environ.get("PAGEDSERVE_BUILD_TIMEOUT", "1800")))(load)
+    return locked_load(
         name=name,
         sources=[str(csrc / s) for s in sources],
         extra_cflags=cflags,
