@@ -17,7 +17,7 @@ from engine.model_executor.loader import load_hf_config, resolve_device
 from engine.model_executor.models.llama import ModelArgs
 from engine.output_processor import OutputProcessor, RowStops
 from engine.sample.prompt_logprobs import add_prompt_logprobs
-from engine.metrics import EngineStats
+from engine.metrics import INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS, EngineStats, Tally
 from engine.sample.sampler import BatchParams, RowSamples, Sampler
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -38,6 +38,15 @@ class _StepBatch:
         self.rows = [(sg.group, sg.group.get_seqs(SequenceStatus.RUNNING)) for sg in scheduled]
         self.params = BatchParams(self.rows)
         self.stops = RowStops(self.rows, eos_token_id, max_model_len)
+        self.num_seqs = sum(len(seqs) for _, seqs in self.rows)
+        # When its last step drew tokens (every row drew one); its groups' last_token_time lags until it is left.
+        self.last_token_time: Optional[float] = None
+
+    def leave(self) -> None:
+        """The engine steps without it from now on: its groups take their last token time back."""
+        if self.last_token_time is not None:
+            for group, _ in self.rows:
+                group.last_token_time = self.last_token_time
 
 
 class LLMEngine:
@@ -83,6 +92,8 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._preempted_recompute = 0
         self._preempted_swap = 0
+        self._iteration_tokens = Tally(ITERATION_TOKENS_BUCKETS)  # tokens computed a step: prompt + generated
+        self._inter_token_latency = Tally(INTER_TOKEN_LATENCY_BUCKETS)
 
     @property
     def on_fatal(self) -> Optional[Callable[[BaseException], None]]:
@@ -178,6 +189,7 @@ class LLMEngine:
         """
         self._stage, self._step_groups = STAGES[0], None
         outputs: list[RequestOutput] = []
+        counted = self._prompt_tokens_total + self._generation_tokens_total
         try:
             return self._step(outputs)
         except (StepError, TensorParallelError):  # the latter: the ranks are out of step, the engine must stop
@@ -186,6 +198,10 @@ class LLMEngine:
             # Before schedule() returned no request belonged to the step: none is ended (the caller checks the
             # block invariants, and resets when they fail or the fault recurs).
             raise StepError(self._stage, exc, self._end(self._step_groups or []), outputs) from exc
+        finally:
+            computed = self._prompt_tokens_total + self._generation_tokens_total - counted
+            if computed:  # (a step that ran no forward computed none)
+                self._iteration_tokens.observe(computed)
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         sch = self.scheduler
@@ -228,9 +244,12 @@ class LLMEngine:
         fast = sample_rows(logits, rows, batch.params if batch is not None else None) if fast_path else None
         if fast is not None:
             return self._process_rows(out, rows, fast, batch, outputs)
-        self._batch = None  # (its stop data counts the fast path's steps)
+        self._leave_batch()  # (its stop data counts the fast path's steps)
         samples = self.sampler(logits, rows)
-        self._generation_tokens_total += sum(len(seqs) for _, seqs in rows)
+        # A request's first sampling with n > 1 draws its n tokens from one row; beam search keeps one a beam.
+        self._generation_tokens_total += sum(len(seqs) if group.sampling_params.use_beam_search else len(drawn)
+                                             for (group, seqs), drawn in zip(rows, samples))
+        self._token_times(rows, None, time.monotonic())
 
         failed: list[tuple[SequenceGroup, str, Exception]] = []
         for (group, _), group_samples in zip(rows, samples):
@@ -255,11 +274,31 @@ class LLMEngine:
         """The kept rows of a decode-only step of the scheduler's steady decode (made at its first step)."""
         steady = out.steady
         if steady is None or len(out.scheduled) != len(steady.scheduled):
-            self._batch = None
+            self._leave_batch()
             return None
         if self._batch is None or self._batch.version != steady.version:
+            self._leave_batch()
             self._batch = _StepBatch(steady.version, steady.scheduled, self.eos_token_id, self.config.max_model_len)
         return self._batch
+
+    def _leave_batch(self) -> None:
+        if self._batch is not None:
+            self._batch.leave()
+            self._batch = None
+
+    def _token_times(self, rows, batch: Optional[_StepBatch], now: float) -> None:
+        """Inter-token latency: for each sequence that drew a token, the time since its previous one (vLLM's ITL;
+        a request's first token is its TTFT instead). A steady decode's rows all drew their last token in its step
+        before: one value, counted once per sequence, with no loop over the rows."""
+        if batch is not None and batch.last_token_time is not None:
+            self._inter_token_latency.observe(now - batch.last_token_time, batch.num_seqs)
+        else:
+            for group, seqs in rows:
+                if group.last_token_time is not None:
+                    self._inter_token_latency.observe(now - group.last_token_time, len(seqs))
+                group.last_token_time = now
+        if batch is not None:
+            batch.last_token_time = now
 
     def _process_rows(self, out, rows, samples: RowSamples, batch: Optional[_StepBatch],
                       outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -271,13 +310,14 @@ class LLMEngine:
         self.model_runner.record_sampled(sampled)
         token_ids, logprobs = sampled.tolist(), sampled_logprobs.tolist()
         self._generation_tokens_total += len(token_ids)
+        now = time.monotonic()
+        self._token_times(rows, batch, now)
         stops = batch.stops if batch is not None else RowStops(rows, self.eos_token_id, self.config.max_model_len)
         self._stage = "output_processor"
         actions, finished, failed = self.output_processor.process_rows(rows, token_ids, logprobs,
                                                                        stops.flagged(sampled))
         self.scheduler.apply(actions)
         if finished:
-            now = time.monotonic()
             for group in finished:
                 group.metrics.finished_time = now
         to_output = self.output_processor.to_request_output
@@ -370,5 +410,9 @@ class LLMEngine:
             num_preemptions_swap=self._preempted_swap,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            iteration_tokens=self._iteration_tokens.snapshot(),
+            inter_token_latency=self._inter_token_latency.snapshot(),
         )
 

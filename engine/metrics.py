@@ -1,14 +1,52 @@
 """Prometheus metrics (`pagedserve:` prefix, label model_name) and vLLM's periodic stats log line."""
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from engine.sequence import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestMetrics, RequestOutput
+
+# vLLM's buckets for the histograms the engine fills (vllm:iteration_tokens_total, vllm:inter_token_latency_seconds).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class HistogramCounts:
+    """A histogram as counts: counts[i] observations in bucket i (at most bounds[i], above bounds[i - 1]), the last
+    past every bound, and their sum. Cumulative, like a counter: the latest snapshot holds every step before it."""
+
+    counts: list[int]
+    sum: float = 0.0
+
+
+class Tally:
+    """A HistogramCounts the engine fills as it steps (plain ints: no prometheus in the step, in whatever process
+    the engine runs); EngineStats ships snapshots of it to /metrics."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+
+    def snapshot(self) -> HistogramCounts:
+        return HistogramCounts(list(self.counts), self.sum)
 
 
 @dataclass
@@ -28,6 +66,11 @@ class EngineStats:
     num_preemptions_swap: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # Prompt tokens of new requests looked up in the prefix cache, and of those the tokens found (vLLM counts tokens).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    iteration_tokens: Optional[HistogramCounts] = None  # tokens computed per step (ITERATION_TOKENS_BUCKETS)
+    inter_token_latency: Optional[HistogramCounts] = None  # seconds between a sequence's tokens
 
 
 logger = logging.getLogger("pagedserve.stats")
@@ -37,6 +80,10 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+# A request's phases (queue, prefill, decode, inference), as vLLM buckets them.
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                  480.0, 960.0, 1920.0, 7680.0)
 # finish reasons that count as a served request; "abort" (client gone) and "error" do not.
 _SUCCESS_REASONS = ("stop", "length")
 
@@ -80,17 +127,47 @@ class Metrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request (all choices).", _TOKEN_BUCKETS
         )
+        self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", _TOKEN_BUCKETS)
+        # A request's phases: queue (arrival -> first scheduled), prefill (-> first token), decode (-> last token),
+        # inference (first scheduled -> last token); preemptions count in the phase they interrupt.
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", _PHASE_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", _PHASE_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", _PHASE_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", _PHASE_BUCKETS)
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.iteration_tokens = _EngineHistogram(
+            "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS,
+            model_name, self.registry)
+        self.inter_token_latency = _EngineHistogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY_BUCKETS,
+            model_name, self.registry)
         self.engine_resets = counter("engine_resets", "Engine resets after a fault (scheduler, block manager and "
                                      "KV cache rebuilt; the requests in flight end with a 503).")
         self.request_failures = counter("request_failures", "Requests the server ended, by reason: step_fault (a "
                                         "step running it raised, 500), engine_reset (in flight at a reset, 503), "
                                         "admission_fault (adding it to the engine raised, 500).", ("reason",))
-        self.engine_resets.labels(model_name)
+        # Every series exists from the start, at 0 (as vLLM's): a scrape before the first request sees them all.
+        for metric in (self.num_preemptions, self.prompt_tokens, self.generation_tokens, self.time_to_first_token,
+                       self.time_per_output_token, self.e2e_request_latency, self.request_prompt_tokens,
+                       self.request_generation_tokens, self.request_params_n, self.request_params_max_tokens,
+                       self.request_queue_time, self.request_prefill_time, self.request_decode_time,
+                       self.request_inference_time, self.prefix_cache_queries, self.prefix_cache_hits,
+                       self.engine_resets):
+            metric.labels(model_name)
         for reason in ("step_fault", "engine_reset", "admission_fault"):
             self.request_failures.labels(model_name, reason)
         self.cache_config = Info(PREFIX + "cache_config", "The KV cache configuration.", registry=self.registry)
         # The engine's counters are cumulative; Prometheus counters only grow by increments.
-        self._last_counters = {"preemptions": 0, "prompt": 0, "generation": 0, "recompute": 0, "swap": 0}
+        self._last_counters = {"preemptions": 0, "prompt": 0, "generation": 0, "recompute": 0, "swap": 0,
+                               "prefix_queries": 0, "prefix_hits": 0}
 
     def set_cache_config(self, stats: EngineStats) -> None:
         self.cache_config.info(
@@ -103,7 +180,7 @@ class Metrics:
         )
 
     def record_stats(self, stats: EngineStats) -> None:
-        """Gauges and counters from an EngineStats snapshot."""
+        """Gauges, counters and the engine's histograms from an EngineStats snapshot."""
         m = self.model_name
         self.num_requests_running.labels(m).set(stats.num_running)
         self.num_requests_waiting.labels(m).set(stats.num_waiting)
@@ -117,21 +194,26 @@ class Metrics:
             "generation": stats.generation_tokens_total,
             "recompute": stats.num_preemptions_recompute,
             "swap": stats.num_preemptions_swap,
+            "prefix_queries": stats.prefix_cache_queries,
+            "prefix_hits": stats.prefix_cache_hits,
         }
         counters = {
             "preemptions": self.num_preemptions.labels(m), "prompt": self.prompt_tokens.labels(m),
             "generation": self.generation_tokens.labels(m),
             "recompute": self.num_preemptions_by_mode.labels(m, "recompute"),
             "swap": self.num_preemptions_by_mode.labels(m, "swap"),
+            "prefix_queries": self.prefix_cache_queries.labels(m), "prefix_hits": self.prefix_cache_hits.labels(m),
         }
         for key, value in current.items():
-            delta = value - self._last_counters[key]
+            delta = value - self._last_counters[key]  # (less than 0 once: the block manager rebuilt at a reset)
             if delta > 0:
                 counters[key].inc(delta)
             self._last_counters[key] = value
+        self.iteration_tokens.set(stats.iteration_tokens)
+        self.inter_token_latency.set(stats.inter_token_latency)
 
-    def record_finished(self, output: RequestOutput) -> None:
-        """Per-request histograms from a finished RequestOutput and its RequestMetrics."""
+    def record_finished(self, output: RequestOutput, params: Optional[SamplingParams] = None) -> None:
+        """Per-request histograms from a finished RequestOutput, its RequestMetrics and the request's parameters."""
         m = self.model_name
         reasons = [c.finish_reason for c in output.outputs]
         if output.error is not None or not reasons or any(r not in _SUCCESS_REASONS for r in reasons):
@@ -141,9 +223,14 @@ class Metrics:
         num_generated = sum(len(c.token_ids) for c in output.outputs)
         self.request_prompt_tokens.labels(m).observe(len(output.prompt_token_ids))
         self.request_generation_tokens.labels(m).observe(num_generated)
+        if params is not None:
+            self.request_params_n.labels(m).observe(params.n)
+            if params.max_tokens is not None:
+                self.request_params_max_tokens.labels(m).observe(params.max_tokens)
         t = output.metrics
         if t is None:
             return
+        self._record_phases(t)
         if t.first_token_time is not None:
             self.time_to_first_token.labels(m).observe(max(0.0, t.first_token_time - t.arrival_time))
         if t.finished_time is not None:
@@ -153,6 +240,45 @@ class Metrics:
                 self.time_per_output_token.labels(m).observe(
                     max(0.0, t.finished_time - t.first_token_time) / (longest - 1)
                 )
+
+
+    def _record_phases(self, t: RequestMetrics) -> None:
+        """Queue, prefill, decode and inference time (a request's last token came in the step that finished it)."""
+        m = self.model_name
+        scheduled, first, last = t.first_scheduled_time, t.first_token_time, t.finished_time
+        if scheduled is None:
+            return
+        self.request_queue_time.labels(m).observe(max(0.0, scheduled - t.arrival_time))
+        if first is not None:
+            self.request_prefill_time.labels(m).observe(max(0.0, first - scheduled))
+        if first is not None and last is not None:
+            self.request_decode_time.labels(m).observe(max(0.0, last - first))
+        if last is not None:
+            self.request_inference_time.labels(m).observe(max(0.0, last - scheduled))
+
+
+class _EngineHistogram:
+    """A histogram of what the engine counted (HistogramCounts in each EngineStats), shown as of the latest snapshot:
+    a collector of its own, since prometheus_client's Histogram takes observations one at a time."""
+
+    def __init__(self, name: str, documentation: str, bounds: tuple, model_name: str,
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.model_name = PREFIX + name, documentation, model_name
+        self.les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        self.counts = HistogramCounts([0] * len(self.les))
+        registry.register(self)
+
+    def set(self, counts: Optional[HistogramCounts]) -> None:
+        if counts is not None and len(counts.counts) == len(self.les):
+            self.counts = counts
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        family.add_metric([self.model_name], list(zip(self.les, itertools.accumulate(self.counts.counts))),
+                          self.counts.sum)
+        return [family]
+
+    describe = collect  # (the registry reads the names, to refuse a duplicate)
 
 
 class StatLogger:

@@ -150,6 +150,9 @@ class SequenceGroup:
         # yet (its first token is reported at once).
         self.steps_unreported = -1
         self.final_only = sampling_params.final_only  # reported only when finished (SamplingParams.final_only)
+        # When the engine's last step gave it tokens (inter-token latency); kept off `metrics`, which crosses the
+        # process boundary only when it changes, a few times a request.
+        self.last_token_time: Optional[float] = None
 
     @property
     def arrival_time(self) -> float:

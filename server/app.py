@@ -12,6 +12,7 @@ from server import __version__
 from server.errors import error_response, install_error_handlers
 from server.limits import integer_bounds
 from server.context import ServerContext
+from server.responses_background import cancel_all
 from server.routes import build_router, stream_chunk_schemas
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far above any prompt that fits the context
@@ -105,6 +106,7 @@ def create_app(
         engine.start()
         yield
         await engine.shutdown(shutdown_timeout_s)
+        cancel_all(ctx)  # background responses the shutdown ended (or that never reached the engine)
 
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server with a paged KV cache.")

@@ -102,6 +102,8 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     unknown_field_logs: dict[str, UnknownFieldLog] = field(default_factory=dict)  # per route (a handful)
     responses: ResponseStore = field(default_factory=ResponseStore)
+    # Background responses still running: id -> (their task, their StoredResponse); server/responses_background.py
+    background: dict[str, tuple[Any, StoredResponse]] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Any:

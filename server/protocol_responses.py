@@ -5,8 +5,16 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from server.limits import MAX_CONTENT_PARTS, MAX_MESSAGES, Finite, Metadata, NumTokens, Priority, Text
-from server.protocol import RequestModel
+from server.limits import (
+    MAX_CONTENT_PARTS, MAX_MESSAGES, Finite, Metadata, NumTokens, Priority, Text, TopLogprobs,
+)
+from server.protocol import ChatTokenLogprob, RequestModel
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# OpenAI's `include` values; only OUTPUT_LOGPROBS adds anything here (the others name outputs never made).
+Includable = Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                     "file_search_call.results", "message.input_image.image_url", "message.output_text.logprobs",
+                     "reasoning.encrypted_content"]
 
 
 class InputText(RequestModel):
@@ -49,6 +57,27 @@ class ResponsesRequest(RequestModel):
     user: Optional[Text] = None
     priority: Priority = 0
     """vLLM: with --scheduling-policy priority, lower values are scheduled first."""
+    include: Optional[Annotated[list[Includable], Field(max_length=8)]] = None
+    """"message.output_text.logprobs": each output token's logprob, with top_logprobs alternatives, in the output
+    text (and in the stream's text events)."""
+    top_logprobs: Optional[TopLogprobs] = None
+    """Alternatives per output token, most likely first, with include ["message.output_text.logprobs"]."""
+    background: bool = False
+    """Answer at once with the response queued, and generate it in the server: GET /v1/responses/{id} tells its
+    status (queued, in_progress, then completed, incomplete or failed), POST /v1/responses/{id}/cancel stops it.
+    Kept as with store: true (an explicit store: false is refused); not with stream."""
+    enable_response_messages: bool = False
+    """vLLM: add input_messages and output_messages to the response: the prompt as the chat template wrote it and
+    the output, each as text and token ids."""
+
+
+class RawMessage(BaseModel):
+    """vLLM's raw message (enable_response_messages): text and its token ids; the ids are what the model read or
+    wrote."""
+
+    type: Literal["raw_message_tokens"] = "raw_message_tokens"
+    message: str
+    tokens: list[int]
 
 
 class OutputText(BaseModel):
@@ -57,6 +86,8 @@ class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
+    logprobs: Optional[list[ChatTokenLogprob]] = None
+    """One entry per output token, with include ["message.output_text.logprobs"]."""
 
 
 class OutputMessage(BaseModel):
@@ -97,7 +128,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: Optional[dict[str, Any]] = None
     incomplete_details: Optional[IncompleteDetails] = None
     instructions: Optional[str] = None
@@ -114,6 +145,12 @@ class ResponseObject(BaseModel):
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     usage: Optional[ResponseUsage] = None
+    background: bool = False
+    top_logprobs: Optional[int] = None
+    input_messages: Optional[list[RawMessage]] = None
+    """vLLM's (enable_response_messages): the prompt as the model read it."""
+    output_messages: Optional[list[RawMessage]] = None
+    """vLLM's (enable_response_messages): the output as the model wrote it."""
 
 
 class ResponseDeleted(BaseModel):
@@ -152,6 +189,19 @@ class ContentPartEvent(BaseModel):
     part: OutputText
 
 
+class EventTopLogprob(BaseModel):
+    """One alternative of a streamed token."""
+
+    token: str
+    logprob: float
+
+
+class EventLogprob(EventTopLogprob):
+    """A streamed token's logprob, with its alternatives (include ["message.output_text.logprobs"])."""
+
+    top_logprobs: list[EventTopLogprob] = Field(default_factory=list)
+
+
 class TextDeltaEvent(BaseModel):
     """response.output_text.delta."""
 
@@ -161,7 +211,8 @@ class TextDeltaEvent(BaseModel):
     output_index: int
     content_index: int
     delta: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[EventLogprob] = Field(default_factory=list)
+    """The tokens of this delta (their text may be held back to a later delta: a stop string, partial UTF-8)."""
 
 
 class TextDoneEvent(BaseModel):
@@ -173,4 +224,4 @@ class TextDoneEvent(BaseModel):
     output_index: int
     content_index: int
     text: str
-    logprobs: list[Any] = Field(default_factory=list)
+    logprobs: list[EventLogprob] = Field(default_factory=list)

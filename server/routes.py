@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from server import __version__, formatting, preprocess, responses, streaming
+from server import __version__, formatting, preprocess, responses, responses_background, streaming
 from server.context import ServerContext
 from server.errors import APIError, error_response
 from server.job import Job
@@ -79,14 +79,20 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 
 async def get_response(response_id: str, request: Request) -> ResponseObject:
-    stored = _ctx(request).responses.get(response_id)
+    stored = responses_background.get(_ctx(request), response_id)
     if stored is None:
         raise APIError(f"No stored response {response_id!r}.", 404, "response_id")
     return stored.response
 
 
+async def cancel_response(response_id: str, request: Request) -> ResponseObject:
+    return await responses_background.cancel(_ctx(request), response_id)
+
+
 async def delete_response(response_id: str, request: Request) -> ResponseDeleted:
-    if not _ctx(request).responses.delete(response_id):
+    ctx = _ctx(request)
+    running = responses_background.discard(ctx, response_id)
+    if not ctx.responses.delete(response_id) and not running:
         raise APIError(f"No stored response {response_id!r}.", 404, "response_id")
     return ResponseDeleted(id=response_id)
 
@@ -168,6 +174,8 @@ def build_router() -> APIRouter:
                          methods=["GET"], response_model=ResponseObject, responses=ERRORS)
     router.add_api_route("/v1/responses/{response_id}", delete_response,
                          methods=["DELETE"], response_model=ResponseDeleted, responses=ERRORS)
+    router.add_api_route("/v1/responses/{response_id}/cancel", cancel_response,
+                         methods=["POST"], response_model=ResponseObject, responses=ERRORS)
     router.add_api_route("/v1/models", list_models,
                          methods=["GET"], response_model=ModelList, responses=ERRORS)
     router.add_api_route("/health", health, response_class=Response,

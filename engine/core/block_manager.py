@@ -66,6 +66,10 @@ class BlockSpaceManager:
         self._num_released: dict[int, int] = {}
         self._num_queried_blocks = 0
         self._num_hit_blocks = 0
+        # vLLM's prefix cache counters, in tokens: a new request's prompt looked up, and the tokens found cached
+        # (a preempted request looking its blocks up again is not a new query).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -104,6 +108,9 @@ class BlockSpaceManager:
                     self.gpu.take_cached(block)
                 self._num_queried_blocks += (seq.get_len() - 1) // self.block_size
                 self._num_hit_blocks += len(table)
+                if not seq.output_token_ids:
+                    self.prefix_cache_queries += seq.get_len()
+                    self.prefix_cache_hits += len(table) * self.block_size
             self.block_tables[seq.seq_id] = table
             self._seq_hashes[seq.seq_id] = hashes
             seq.num_computed_tokens = len(hashes) * self.block_size

@@ -69,8 +69,9 @@ class _RequestStream:
     for what several steps made, instead of falling further behind by one event a step. Errors, the end (None)
     and a finished output are never replaced."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, params: Optional[SamplingParams] = None) -> None:
         self.request_id = request_id
+        self.params = params  # (its n and max_tokens go to /metrics when it finishes)
         self._items: collections.deque[Union[RequestOutput, BaseException, None]] = collections.deque()
         self._ready = asyncio.Event()
         self.finished = False
@@ -370,7 +371,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         self.start()
-        stream = _RequestStream(request_id)
+        stream = _RequestStream(request_id, params)
         self._streams[request_id] = stream
         self._adding.add(request_id)
         self._queue.put_nowait((_Op.ADD, request_id, (prompt, prompt_token_ids, params, priority, grammar)))
@@ -586,8 +587,8 @@ class AsyncLLMEngine:
         self.metrics.record_stats(self._stats)
         for out in outputs:
             if out.finished:
-                self.metrics.record_finished(out)
                 stream = self._streams.pop(out.request_id, None)
+                self.metrics.record_finished(out, stream.params if stream is not None else None)
                 if stream is not None:
                     stream.finish(out)
             else:

@@ -102,6 +102,13 @@ BAD_INPUTS: list[tuple[str, str, Any, int, Any]] = [
     ("responses-max-output-tokens-zero", "/v1/responses", {"input": "Hi", "max_output_tokens": 0}, 400,
      "max_output_tokens"),
     ("responses-unknown-model", "/v1/responses", {"input": "Hi", "model": "nope"}, 404, "model"),
+    ("responses-top-logprobs-range", "/v1/responses", {"input": "Hi", "top_logprobs": 21}, 400, "top_logprobs"),
+    ("responses-include-unknown", "/v1/responses", {"input": "Hi", "include": ["message.nope"]}, 400, "include"),
+    ("responses-background-not-stored", "/v1/responses", {"input": "Hi", "background": True, "store": False}, 400,
+     "background"),
+    ("responses-background-stream", "/v1/responses", {"input": "Hi", "background": True, "stream": True}, 400,
+     "stream"),
+    ("responses-cancel-unknown", "/v1/responses/resp_nope/cancel", {}, 404, "response_id"),
     # structured outputs and tools (server/guided.py, server/tools.py)
     ("response-format-unknown-type", _CHAT, _chat(response_format={"type": "xml"}), 400, "response_format"),
     ("response-format-schema-missing", _CHAT, _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),

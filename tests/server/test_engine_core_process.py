@@ -244,14 +244,58 @@ def _joined(chunks: list[dict]) -> dict:
     return choices
 
 
+# vLLM's names under pagedserve: (vllm:iteration_tokens_total -> pagedserve:iteration_tokens_total, ...)
+VLLM_METRICS = ["prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total",
+                "prefix_cache_hits_total", "iteration_tokens_total_sum", "iteration_tokens_total_count",
+                "inter_token_latency_seconds_count", "request_params_n_count", "request_params_n_sum",
+                "request_params_max_tokens_sum", *[f"request_{phase}_time_seconds_count"
+                                                   for phase in ("queue", "prefill", "decode", "inference")]]
+
+
+def _metrics_count_what_was_served(base) -> None:
+    """The metrics vLLM's dashboards and autoscalers read count what a user sent, whichever process the engine runs
+    in: a new 270-token prompt twice (its two full 128-token blocks found in the prefix cache the second time), and
+    two choices of a short one."""
+    def scrape() -> dict[str, float]:
+        text = httpx.get(base + "/metrics", timeout=10).text
+        return {name: metric(text, "pagedserve:" + name) for name in VLLM_METRICS}
+
+    before = scrape()
+    long_prompt = PROMPT[::-1] * 45
+    usages = [_usage(base, prompt=long_prompt, max_tokens=5), _usage(base, prompt=long_prompt, max_tokens=5),
+              _usage(base, max_tokens=8, n=2, temperature=0.8, seed=3)]
+    after = scrape()
+    d = {name: after[name] - before[name] for name in VLLM_METRICS}
+    assert usages[0]["prompt_tokens"] == 270 and usages[2]["completion_tokens"] == 16, usages
+    assert d["prefix_cache_queries_total"] == 270 + 270 + 6 and d["prefix_cache_hits_total"] == 256, d
+    assert d["prompt_tokens_total"] == 270 + (270 - 256) + 6  # computed: the cached blocks are not
+    assert d["generation_tokens_total"] == sum(u["completion_tokens"] for u in usages) == 5 + 5 + 16
+    # Each step's tokens, prompt and generated, once: every step of these requests is in the histogram.
+    assert d["iteration_tokens_total_sum"] == d["prompt_tokens_total"] + d["generation_tokens_total"], d
+    assert d["iteration_tokens_total_count"] == 5 + 5 + 8  # one a step: a prefill, then a decode step a token
+    assert d["inter_token_latency_seconds_count"] == 4 + 4 + 2 * 7  # a gap per token after a choice's first
+    assert (d["request_params_n_count"], d["request_params_n_sum"]) == (3, 4)
+    assert d["request_params_max_tokens_sum"] == 5 + 5 + 8
+    assert all(d[f"request_{phase}_time_seconds_count"] == 3 for phase in ("queue", "prefill", "decode", "inference"))
+
+
+def _usage(base, **body) -> dict:
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "temperature": 0.0,
+                                                    "ignore_eos": True, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
 @pytest.mark.slow  # two servers, one with its core process: ~30 s on 2 cores
 def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir, tmp_path):
     """Outputs cross the process boundary as deltas (engine/core_proc.py OutputDeltas): every stream and every
-    whole response equals the in-process server's, prefix caching on in both."""
+    whole response equals the in-process server's, prefix caching on in both; the engine's figures cross it too
+    (EngineStats), and /metrics counts the same in both."""
     proc, base, _ = _start(tiny_llama_dir, tmp_path / "core.log", "--enable-prefix-caching", "--max-model-len", "512")
     try:
         remote = _responses(base)
         hit_rate = metric(httpx.get(base + "/metrics", timeout=10).text, "pagedserve:prefix_cache_hit_rate")
+        _metrics_count_what_was_served(base)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -261,6 +305,7 @@ def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir
         str(tmp_path / "local.log"))
     try:
         local = _responses(base)
+        _metrics_count_what_was_served(base)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

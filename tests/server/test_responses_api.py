@@ -158,3 +158,123 @@ def test_a_response_the_engine_ends_early_is_a_500(real_server):
         _abort_when_running(real_server.engine)
         r = reply.result()
     assert r.status_code == 500 and "before its output was finished" in r.json()["error"]["message"]
+
+
+def test_output_text_logprobs_equal_chat_logprobs(client):
+    messages = [{"role": "user", "content": QUESTION}]
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=3,
+                                include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    logprobs = r.output[0].content[0].logprobs
+    assert r.top_logprobs == 3 and len(logprobs) == r.usage.output_tokens == 6
+    assert "".join(t.token for t in logprobs) == r.output_text
+    want = chat.choices[0].logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in logprobs] == [(t.token, t.logprob, t.bytes) for t in want]
+    assert [[(a.token, a.logprob) for a in t.top_logprobs] for t in logprobs] == [
+        [(a.token, a.logprob) for a in t.top_logprobs] for t in want]
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob == t.logprob for t in logprobs)  # greedy
+
+    # Streamed: the delta events carry the same tokens and logprobs, and so does the done event.
+    events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0,
+                                          top_logprobs=3, include=["message.output_text.logprobs"], stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    for got in (streamed, done.logprobs):
+        assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in got] == [
+            (t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in logprobs]
+    assert events[-1].response.output[0].content[0].logprobs == logprobs
+
+    plain = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=3)
+    assert plain.output[0].content[0].logprobs is None  # (not included: as vLLM, top_logprobs alone adds none)
+
+
+def test_enable_response_messages_shows_what_the_model_read_and_wrote(client, real_server):
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=5, temperature=0,
+                                extra_body={"enable_response_messages": True})
+    tokenized = httpx.post(real_server.base_url + "/tokenize",
+                           json={"messages": [{"role": "user", "content": QUESTION}]}).json()["tokens"]
+    (prompt,), (output,) = r.input_messages, r.output_messages
+    assert prompt["type"] == output["type"] == "raw_message_tokens"
+    assert prompt["tokens"] == tokenized and QUESTION in prompt["message"]
+    assert prompt["message"].startswith("<|im_start|>")  # the chat template's text, as the model read it
+    assert output["message"] == r.output_text and len(output["tokens"]) == r.usage.output_tokens == 5
+    assert httpx.post(real_server.base_url + "/detokenize", json={"tokens": output["tokens"]}).json()["prompt"] \
+        == r.output_text
+    assert client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2).input_messages is None
+
+
+def _poll(client, response_id: str, until, timeout_s: float = 60.0) -> tuple[object, list[str]]:
+    """GET the response until until(status) holds; returns it and the statuses seen."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = client.responses.retrieve(response_id)
+        if not seen or seen[-1] != got.status:
+            seen.append(got.status)
+        if until(got.status):
+            return got, seen
+        time.sleep(0.02)
+    raise AssertionError(f"response {response_id} still {seen[-1]!r} after {timeout_s} s ({seen})")
+
+
+def test_background_response_is_polled_to_completion(client, real_server):
+    want = client.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=40, temperature=0)
+    r = client.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=40, temperature=0,
+                                background=True)
+    assert r.status == "queued" and r.background is True and r.store is True and r.output == [] and r.usage is None
+    got, seen = _poll(client, r.id, lambda status: status not in ("queued", "in_progress"))
+    assert seen[-1] == want.status and set(seen) <= {"queued", "in_progress", want.status}, seen
+    assert "in_progress" in seen  # (40 tokens take far longer than a poll)
+    assert got.output_text == want.output_text and got.usage.output_tokens == want.usage.output_tokens
+    assert got.background is True and got.id == r.id
+    second = client.responses.create(model=MODEL, input="Go on.", previous_response_id=r.id, max_output_tokens=3)
+    assert second.previous_response_id == r.id  # a finished background response is a conversation to continue
+    with pytest.raises(openai.BadRequestError, match="only a background response"):
+        client.responses.cancel(r.id)  # it is over
+    with pytest.raises(openai.BadRequestError, match="store"):
+        client.responses.create(model=MODEL, input="Hi", background=True, store=False)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.responses.create(model=MODEL, input="Hi", background=True, stream=True)
+
+
+def test_cancel_ends_a_background_response_and_frees_its_blocks(client, real_server):
+    wait_idle(real_server.base_url, timeout_s=10)
+    r = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=400, temperature=0,
+                                background=True)
+    _poll(client, r.id, lambda status: status == "in_progress")
+    with pytest.raises(openai.BadRequestError, match="only a finished response"):
+        client.responses.create(model=MODEL, input="And?", previous_response_id=r.id, max_output_tokens=3)
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.id == r.id
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    waited, values = wait_idle(real_server.base_url, timeout_s=10)  # the abort reached the engine: blocks freed
+    assert values["kv_cache_usage_perc"] == 0.0 and values["num_requests_running"] == 0, values
+    time.sleep(0.2)
+    assert client.responses.retrieve(r.id).status == "cancelled"  # the ended task wrote nothing over it
+    with pytest.raises(openai.BadRequestError, match="is cancelled"):
+        client.responses.cancel(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+
+
+def test_deleting_a_running_background_response_ends_it(client, real_server):
+    r = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=400, temperature=0,
+                                background=True)
+    _poll(client, r.id, lambda status: status == "in_progress")
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    waited, values = wait_idle(real_server.base_url, timeout_s=10)
+    assert values["kv_cache_usage_perc"] == 0.0 and values["num_requests_running"] == 0, values
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)  # (its task ended without storing it again)
+
+
+def test_a_background_response_the_engine_ends_early_fails(client, real_server):
+    r = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=400, temperature=0,
+                                background=True)
+    _abort_when_running(real_server.engine, r.id)
+    got, _ = _poll(client, r.id, lambda status: status not in ("queued", "in_progress"))
+    assert got.status == "failed" and got.error.code == "server_error"
+    assert "before its output was finished" in got.error.message

@@ -121,19 +121,43 @@ def test_chat_logprobs(client):
     assert "".join(t.token for t in content) == r.choices[0].message.content
 
 
+# vLLM's per-request phases (vllm:request_queue_time_seconds, ...): one observation per finished request.
+PHASES = [f"request_{phase}_time_seconds_count" for phase in ("queue", "prefill", "decode", "inference")]
+
+
 def test_metrics_count_a_request_exactly(client, real_server):
     def scrape():
         text = httpx.get(real_server.base_url + "/metrics").text
         return {name: metric(text, f"pagedserve:{name}") for name in (
-            "prompt_tokens_total", "generation_tokens_total", "e2e_request_latency_seconds_count")}
+            "prompt_tokens_total", "generation_tokens_total", "e2e_request_latency_seconds_count",
+            "iteration_tokens_total_sum", "inter_token_latency_seconds_count", "request_params_n_count",
+            "request_params_n_sum", "request_params_max_tokens_sum", "prefix_cache_queries_total",
+            "inter_token_latency_seconds_sum", "request_decode_time_seconds_sum", *PHASES)}
 
     before = scrape()
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
+    one = scrape()
+    # One choice: its gaps add up to its decode time, first token to last (timestamps of the same steps; the
+    # bound only absorbs the microseconds between two clock reads in a step).
+    gaps = one["inter_token_latency_seconds_sum"] - before["inter_token_latency_seconds_sum"]
+    decode = one["request_decode_time_seconds_sum"] - before["request_decode_time_seconds_sum"]
+    assert gaps > 0 and abs(gaps - decode) < 0.01, (gaps, decode)
+    two = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2, temperature=0.8, seed=1,
+                                    extra_body={"ignore_eos": True})
     after = scrape()
-    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == r.usage.prompt_tokens
-    assert after["generation_tokens_total"] - before["generation_tokens_total"] == 4
-    assert after["e2e_request_latency_seconds_count"] - before["e2e_request_latency_seconds_count"] == 1
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["prompt_tokens_total"] == r.usage.prompt_tokens + two.usage.prompt_tokens
+    assert delta["generation_tokens_total"] == 4 + 6  # n=2: both choices' tokens
+    assert delta["e2e_request_latency_seconds_count"] == 2
+    # Every token a step computed, prompt or generated: what the two usages add up to (no prefix cache here).
+    assert delta["iteration_tokens_total_sum"] == r.usage.total_tokens + two.usage.total_tokens
+    # One gap per token after a choice's first: 3 for the first request, 2 for each choice of the second.
+    assert delta["inter_token_latency_seconds_count"] == 3 + 2 * 2
+    assert (delta["request_params_n_count"], delta["request_params_n_sum"]) == (2, 1 + 2)
+    assert delta["request_params_max_tokens_sum"] == 4 + 3
+    assert [delta[name] for name in PHASES] == [2, 2, 2, 2]
+    assert delta["prefix_cache_queries_total"] == 0  # (the cache is off)
     text = httpx.get(real_server.base_url + "/metrics").text
     assert metric(text, "pagedserve:cache_config_info", 'block_size="128"') == 1.0  # the CPU default
 
