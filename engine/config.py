@@ -61,7 +61,7 @@ class EngineConfig:
     preemption_mode: Optional[PreemptionMode] = None  # None: recompute for one seq, swap for several
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     watermark: float = 0.01
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # the most alternatives a request's logprobs may ask for; -1: no bound (the vocabulary)
     # Ranks that each hold 1/N of the model (engine/worker/tp_workers.py); on CPU each gets 1/N of the cores.
     tensor_parallel_size: int = 1
     # Seconds the ranks wait for each other to start, and at most in any one collective.
@@ -94,7 +94,7 @@ class EngineConfig:
             ("swap_space", self.swap_space >= 0, "must be >= 0"),
             ("kv_cache_space", self.kv_cache_space > 0, "must be > 0"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
-            ("max_logprobs", self.max_logprobs >= 0, "must be >= 0"),
+            ("max_logprobs", self.max_logprobs >= -1, "must be >= 0, or -1 (no bound)"),
             ("watermark", 0.0 <= self.watermark < 1.0, "must be in [0, 1)"),
             ("tensor_parallel_size", self.tensor_parallel_size >= 1, "must be >= 1"),
             ("distributed_timeout", self.distributed_timeout > 0, "must be > 0"),

@@ -154,6 +154,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt: token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
+        bad = [t for t in params.logprob_token_ids or () if t >= self.vocab_size]  # (they index the logits)
+        if bad:
+            raise ValueError(f"logprob_token_ids: token id {bad[0]} is out of vocabulary (size {self.vocab_size}).")
         seq = Sequence(next(self.seq_counter), list(prompt_token_ids))
         if params.guided is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.guided)

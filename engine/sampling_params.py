@@ -55,6 +55,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    # vLLM: the logprobs of these token ids at every sampled position, beside the sampled token's (logprobs then
+    # defaults to 0: the per-token logprobs are kept, without top-k alternatives unless logprobs asks for them).
+    logprob_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
@@ -62,7 +65,7 @@ class SamplingParams:
     bad_words_token_ids: Optional[list[list[int]]] = None
     # The output must match this (JSON schema, JSON object, regex, choice, grammar): engine/structured_output/grammars.py.
     guided: Optional[GuidedSpec] = None
-    max_logprobs: int = field(default=20, repr=False)
+    max_logprobs: int = field(default=20, repr=False)  # -1: no bound
     # Report the request only when it has finished (vLLM's RequestOutputKind.FINAL_ONLY): no output is built and
     # delivered each step for a reader that takes the last one only (LLM.generate, a non-streamed HTTP request).
     final_only: bool = field(default=False, repr=False)
@@ -77,6 +80,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._verify()
@@ -120,8 +127,13 @@ class SamplingParams:
             fail("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= self.max_logprobs:
-                fail(name, f"must be in [0, {self.max_logprobs}], got {value}.")
+            if value is not None and (value < 0 or 0 <= self.max_logprobs < value):
+                fail(name, f"must be in [0, {self.max_logprobs}], got {value}." if self.max_logprobs >= 0
+                     else f"must be at least 0, got {value}.")
+        if self.logprob_token_ids is not None and (
+            not self.logprob_token_ids or any(not isinstance(t, int) or t < 0 for t in self.logprob_token_ids)
+        ):
+            fail("logprob_token_ids", "must be a non-empty list of non-negative integers.")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             fail("stop", "cannot contain an empty string.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -140,6 +152,8 @@ class SamplingParams:
             if self.guided is not None:
                 fail("use_beam_search", "cannot be combined with structured outputs (a JSON schema, regex, choice, "
                      "grammar or tool choice).")
+            if self.logprob_token_ids is not None:
+                fail("logprob_token_ids", "is not supported with beam search.")
             if self.best_of == 1:
                 fail("best_of", "must be greater than 1 when using beam search.")
             if self.temperature > _EPS:

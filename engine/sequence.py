@@ -121,6 +121,9 @@ class RequestMetrics:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    # Prompt tokens the prefix cache served at the request's first admission (vLLM's num_cached_tokens); None
+    # before it. A request recomputed after a preemption keeps its first count.
+    num_cached_tokens: Optional[int] = None
 
 
 class SequenceGroup:

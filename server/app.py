@@ -88,6 +88,7 @@ def create_app(
     shutdown_timeout_s: float = 10.0,
     chat_template: Optional[str] = None,
     tool_call_parser: str = "hermes",
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` (an AsyncLLMEngine, or anything else that is an EngineClient)."""
     ctx = ServerContext(
@@ -99,6 +100,7 @@ def create_app(
         shutdown_timeout_s=shutdown_timeout_s,
         chat_template=chat_template,
         tool_call_parser=tool_call_parser,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
 
     @asynccontextmanager

@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--preemption-mode", default=None, choices=[m.value for m in PreemptionMode])
     serve.add_argument("--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy],
                        help="priority: a request's lower `priority` runs first and may preempt running ones")
-    serve.add_argument("--max-logprobs", type=int, default=20)
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="the most alternatives a logprobs field may ask for (-1: no bound; a request's -1 asks "
+                            "for the whole vocabulary)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache "
+                            "served (vLLM's flag)")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default="hermes", choices=list(PARSERS),
@@ -150,7 +155,8 @@ def serve(args: argparse.Namespace) -> int:
     cut_after_s = max(0.0, args.shutdown_timeout - min(1.0, args.shutdown_timeout / 4))
     app = create_app(engine, api_key=api_key, served_model_name=config.model_name,
                      shutdown_timeout_s=cut_after_s, chat_template=chat_template,
-                     tool_call_parser=args.tool_call_parser)
+                     tool_call_parser=args.tool_call_parser,
+                     enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
                 engine.config.max_model_len)
     # uvicorn owns SIGINT/SIGTERM while serving: it stops accepting, gives in-flight requests the timeout,

@@ -98,6 +98,7 @@ class ServerContext:
     api_key: Optional[str] = None
     chat_template: Optional[str] = None  # --chat-template; None: the tokenizer's
     tool_call_parser: str = "hermes"  # --tool-call-parser (server/tools.py)
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), as vLLM's flag
     shutdown_timeout_s: float = 10.0  # how long streams may outlive SIGTERM before the engine ends them
     created: int = field(default_factory=lambda: int(time.time()))
     unknown_field_logs: dict[str, UnknownFieldLog] = field(default_factory=dict)  # per route (a handful)

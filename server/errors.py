@@ -79,7 +79,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]
         return f"Unknown field: {path} ({msg}).", fields[0]
     value = err.get("input")
     shown = "" if err.get("type") == "missing" else f", got {_short(value)}"
-    return f"{path}: {msg}{shown}.", fields[0]
+    # pydantic's name for the rule (greater_than_equal, too_long, ...), as in vLLM's messages: clients match on it
+    return f"{path}: {msg} [type={err.get('type')}]{shown}.", fields[0]
 
 
 def _is_type_tag(part: str) -> bool:

@@ -9,7 +9,7 @@ from server.errors import APIError
 from server.job import Job, JobKind
 from server.protocol import (
     ChatChoice, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
-    CompletionLogprobs, CompletionResponse, PromptLogprob, PromptLogprobs, TopLogprob, UsageInfo,
+    CompletionLogprobs, CompletionResponse, PromptLogprob, PromptLogprobs, PromptTokensDetails, TopLogprob, UsageInfo,
 )
 
 
@@ -28,10 +28,14 @@ def _ranked(entry: Logprobs, token_id: int, top_n: int) -> list[tuple[int, float
 
 
 def completion_logprobs(
-    tokenizer: Any, job: Job, token_ids: list[int], logprobs: list[Optional[Logprobs]], text_offset: int
+    tokenizer: Any, job: Job, token_ids: list[int], logprobs: list[Optional[Logprobs]], text_offset: int,
+    is_output: bool = True,
 ) -> CompletionLogprobs:
-    """Parallel lists, one entry per token; a None entry (first prompt token) stays null."""
+    """Parallel lists, one entry per token (generated ones, or the prompt's: is_output False); a None entry (first
+    prompt token) stays null."""
     out = CompletionLogprobs()
+    # logprob_token_ids (generated positions): the sampled token and the named ones, as the engine gave them
+    named = job.logprob_token_ids is not None and is_output
     for token_id, entry in zip(token_ids, logprobs):
         text = token_text(tokenizer, job, token_id)
         out.tokens.append(text)
@@ -42,7 +46,7 @@ def completion_logprobs(
             out.top_logprobs.append(None)
         else:
             out.token_logprobs.append(entry.get(token_id))
-            top = _ranked(entry, token_id, job.logprobs or 0)
+            top = list(entry.items()) if named else _ranked(entry, token_id, job.logprobs or 0)
             out.top_logprobs.append({token_text(tokenizer, job, t): lp for t, lp in top})
     return out
 
@@ -51,7 +55,10 @@ def chat_logprobs(tokenizer: Any, job: Job, token_ids: list[int], logprobs: list
     """One entry per generated token, with its top_logprobs alternatives."""
     content = []
     for token_id, entry in zip(token_ids, logprobs):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[: job.logprobs or 0]
+        if job.logprob_token_ids is not None:  # the sampled token and the named ones, as the engine gave them
+            top = list(entry.items())
+        else:
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[: job.logprobs or 0]
         own = _chat_token(tokenizer, job, token_id, entry.get(token_id, float("-inf")))
         content.append(ChatTokenLogprob(**own.model_dump(), top_logprobs=[
             _chat_token(tokenizer, job, t, lp) for t, lp in top]))
@@ -97,10 +104,16 @@ def prompt_logprobs(tokenizer: Any, job: Job, out: RequestOutput, prompt_index: 
 
 
 def usage(job: Job, finals: dict[int, RequestOutput]) -> UsageInfo:
-    """Usage over ALL prompts and choices."""
+    """Usage over ALL prompts and choices; with --enable-prompt-tokens-details, the prompt tokens the prefix cache
+    served (summed over the prompts)."""
     prompt = sum(len(p) for p in job.prompts)
     completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    details = None
+    if job.cached_tokens_details:
+        cached = sum(out.metrics.num_cached_tokens or 0 for out in finals.values() if out.metrics is not None)
+        details = PromptTokensDetails(cached_tokens=cached)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=details)
 
 
 def raise_for_output_error(out: RequestOutput) -> None:
@@ -123,7 +136,8 @@ def full_response(
         choices = [_chat_choice(tokenizer, job, c, job.choice_index(0, c.index))
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         return ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices,
-                                      usage=usage(job, finals), prompt_logprobs=prompt_logprobs(tokenizer, job, out, 0))
+                                      usage=usage(job, finals), prompt_logprobs=prompt_logprobs(tokenizer, job, out, 0),
+                                      prompt_token_ids=job.prompts[0] if job.return_token_ids else None)
     completion_choices = [
         _completion_choice(tokenizer, job, finals[i], c, job.choice_index(i, c.index), i)
         for i in sorted(finals) for c in sorted(finals[i].outputs, key=lambda c: c.index)
@@ -143,6 +157,7 @@ def _chat_choice(tokenizer: Any, job: Job, c: CompletionOutput, index: int) -> C
         logprobs=output_logprobs(tokenizer, job, c, 0, 0),
         finish_reason=tools.finish_reason(c.finish_reason, calls),
         stop_reason=c.stop_reason,
+        token_ids=c.token_ids if job.return_token_ids else None,
     )
 
 
@@ -157,6 +172,8 @@ def _completion_choice(
     return CompletionChoice(
         index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
         stop_reason=c.stop_reason, prompt_logprobs=prompt_logprobs(tokenizer, job, out, prompt_index),
+        prompt_token_ids=job.prompts[prompt_index] if job.return_token_ids else None,
+        token_ids=c.token_ids if job.return_token_ids else None,
     )
 
 
@@ -166,7 +183,7 @@ def echo_logprobs(tokenizer: Any, job: Job, out: RequestOutput, prompt_index: in
         return None
     ids = job.prompts[prompt_index]
     entries = out.prompt_logprobs or [None] * len(ids)
-    return completion_logprobs(tokenizer, job, ids, entries, 0)
+    return completion_logprobs(tokenizer, job, ids, entries, 0, is_output=False)
 
 
 def concat_logprobs(a: Any, b: Any) -> Any:

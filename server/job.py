@@ -37,7 +37,10 @@ class Job:
     logprobs: Optional[int] = None  # completions: top-k per token; chat: top_logprobs
     chat_logprobs: bool = False
     prompt_logprobs: Optional[int] = None  # vLLM's prompt_logprobs: top-k per prompt token, in the response
+    logprob_token_ids: Optional[list[int]] = None  # vLLM: these tokens' logprobs in place of the top-k
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprob tokens read "token_id:<id>"
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and token_ids in the response
+    cached_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     priority: int = 0
     tools: Optional["ToolPlan"] = None  # a chat with tools: how its calls are read back (server/tools.py)
     guided_param: str = "response_format"  # the field a structured-output compile error names

@@ -15,7 +15,8 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 MAX_N = 128  # n and best_of: one request must not own the whole cache
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGPROB_TOKEN_IDS = 128  # logprob_token_ids (vLLM's bound)
 MAX_PROMPTS = 256  # prompts of one completions call: each is its own engine request
 MAX_TOKEN_IDS = 1 << 17  # one token list (prompt, stop_token_ids, detokenize); the context is tighter still
 MAX_STOP = 64  # stop strings
@@ -47,7 +48,8 @@ NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]  # n, best_of
 NumTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]  # max_tokens; and within the context (preprocess)
 MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1 = off; 0 is refused by SamplingParams
-NumLogprobs = Annotated[int, Field(ge=0, le=INT32_MAX)]  # and at most --max-logprobs (SamplingParams)
+# logprobs, top_logprobs, prompt_logprobs: -1 is the whole vocabulary (vLLM); all at most --max-logprobs (preprocess)
+NumLogprobs = Annotated[int, Field(ge=-1, le=INT32_MAX)]
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]  # ranges per field: SamplingParams
 TruncateTokens = Annotated[int, Field(ge=-1, le=INT32_MAX)]  # -1: the context length; 0 is refused (preprocess)
@@ -55,6 +57,7 @@ RequestId = Annotated[Text, StringConstraints(min_length=1, max_length=MAX_REQUE
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]  # logit_bias keys: a decimal token id
 
 TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
+LogprobTokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)]
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 StopList = Annotated[list[Text], Field(max_length=MAX_STOP)]
 TextPrompts = Annotated[list[Text], Field(max_length=MAX_PROMPTS)]

@@ -31,18 +31,24 @@ def completion_job(ctx: ServerContext, body: CompletionRequest) -> Job:
     check_model(ctx, body.model)
     if body.suffix is not None:
         raise APIError("suffix is not supported.", 400, "suffix")
+    if body.logprob_token_ids is not None and body.logprobs is None:
+        raise APIError("when using `logprob_token_ids`, `logprobs` must be set.", 400, "logprob_token_ids")
     prompts, texts = _completion_prompts(ctx, body)
-    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    logprobs = logprob_count(ctx, body.logprobs, "logprobs")
+    prompt_logprobs = logprob_count(ctx, body.prompt_logprobs, "prompt_logprobs")
+    echo_logprobs = logprobs if body.echo else None
     params = sampling_params(
         ctx, body, prompts, body.max_tokens,
-        logprobs=body.logprobs, prompt_logprobs=_max_or_none(echo_logprobs, body.prompt_logprobs),
+        logprobs=logprobs, prompt_logprobs=_max_or_none(echo_logprobs, prompt_logprobs),
         guided_spec=guided.guided_spec(body),
     )
     return Job(
         JobKind.COMPLETION, job_id("cmpl", body), int(time.time()), ctx.model_name, prompts, texts, params,
         stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
-        echo=body.echo, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs,
-        tokens_as_ids=body.return_tokens_as_token_ids, priority=body.priority, guided_param=guided.guided_param(body),
+        echo=body.echo, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logprob_token_ids=body.logprob_token_ids,
+        tokens_as_ids=body.return_tokens_as_token_ids, return_token_ids=body.return_token_ids,
+        cached_tokens_details=ctx.enable_prompt_tokens_details, priority=body.priority,
+        guided_param=guided.guided_param(body),
     )
 
 
@@ -52,6 +58,8 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
         raise APIError("messages must contain at least one message.", 400, "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError("top_logprobs requires logprobs to be true.", 400, "top_logprobs")
+    if body.logprob_token_ids is not None and not body.logprobs:
+        raise APIError("when using `logprob_token_ids`, `logprobs` must be set to true.", 400, "logprob_token_ids")
     tool_plan = tools.plan(body, ctx.tool_call_parser)
     spec = guided.guided_spec(body)
     guided_param = guided.guided_param(body)
@@ -64,8 +72,9 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
     ids = _truncate(ctx, body, ctx.tokenizer(text, add_special_tokens=body.add_special_tokens)["input_ids"])
     _check_prompt(ctx, ids, "messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=body.prompt_logprobs,
+    logprobs = (logprob_count(ctx, body.top_logprobs, "top_logprobs") or 0) if body.logprobs else None
+    prompt_logprobs = logprob_count(ctx, body.prompt_logprobs, "prompt_logprobs")
+    params = sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                              guided_spec=spec)
     last = body.messages[-1]
     echo_text = _content_text(last.content) if body.echo and last.role == "assistant" else ""
@@ -73,8 +82,10 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
         JobKind.CHAT, job_id("chatcmpl", body), int(time.time()), ctx.model_name, [ids], [text], params,
         stream=body.stream, include_usage=_include_usage(body), continuous_usage=_continuous_usage(body),
         echo=body.echo, echo_text=echo_text, logprobs=logprobs, chat_logprobs=body.logprobs,
-        prompt_logprobs=body.prompt_logprobs, tokens_as_ids=body.return_tokens_as_token_ids, priority=body.priority,
-        tools=tool_plan, guided_param=guided_param,
+        prompt_logprobs=prompt_logprobs, logprob_token_ids=body.logprob_token_ids,
+        tokens_as_ids=body.return_tokens_as_token_ids, return_token_ids=body.return_token_ids,
+        cached_tokens_details=ctx.enable_prompt_tokens_details, priority=body.priority, tools=tool_plan,
+        guided_param=guided_param,
     )
 
 
@@ -124,7 +135,22 @@ def _include_usage(body: SamplingFields) -> bool:
 
 
 def _continuous_usage(body: SamplingFields) -> bool:
-    return bool(body.stream and body.stream_options and body.stream_options.continuous_usage_stats)
+    """vLLM: continuous_usage_stats puts usage on every chunk only together with include_usage."""
+    return _include_usage(body) and body.stream_options.continuous_usage_stats
+
+
+def logprob_count(ctx: ServerContext, value: Optional[int], param: str) -> Optional[int]:
+    """How many alternatives a logprobs field asks for: -1 is the whole vocabulary; at most --max-logprobs, whose
+    -1 is no bound (vLLM's rules and words)."""
+    if value is None:
+        return None
+    count = ctx.vocab_size if value == -1 else value
+    limit = ctx.engine.config.max_logprobs
+    if limit != -1 and count > limit:
+        kind = "prompt logprobs" if param == "prompt_logprobs" else "sample logprobs"
+        raise APIError(f"{param}: Requested {kind} of {count}, which is greater than max allowed: {limit} "
+                       "(--max-logprobs; -1 allows the whole vocabulary).", 400, param)
+    return count
 
 
 def _max_or_none(a: Optional[int], b: Optional[int]) -> Optional[int]:
@@ -161,7 +187,8 @@ def _completion_prompts(ctx: ServerContext, body: CompletionRequest) -> tuple[li
 
 
 def _truncate(ctx: ServerContext, body: SamplingFields, ids: list[int]) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the context length); ids itself when untouched."""
+    """vLLM's truncate_prompt_tokens: keep k tokens (-1: the context length), the last ones unless truncation_side
+    is "right"; ids itself when untouched."""
     k = body.truncate_prompt_tokens
     if k is None:
         return ids
@@ -169,15 +196,22 @@ def _truncate(ctx: ServerContext, body: SamplingFields, ids: list[int]) -> list[
         raise APIError("truncate_prompt_tokens must be -1 or at least 1, got 0.", 400, "truncate_prompt_tokens")
     if k == -1:
         k = ctx.max_model_len
-    return ids if len(ids) <= k else ids[-k:]
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if body.truncation_side == "right" else ids[-k:]
 
 
 def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
+    """Every id inside the vocabulary, or a 400 in vLLM's words: a prompt's (or /detokenize's) first bad id "is
+    out of vocabulary"; a parameter's ids "contain out-of-vocab token ids"."""
     bad = [t for t in ids if not 0 <= t < ctx.vocab_size]
-    if bad:
-        raise APIError(
-            f"{param} contains token ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:5]}.", 400, param
-        )
+    if not bad:
+        return
+    if param in ("prompt", "tokens"):
+        raise APIError(f"{param}: Token id {bad[0]} is out of vocabulary (vocabulary size {ctx.vocab_size}).", 400,
+                       param)
+    raise APIError(f"token_id(s) {bad[:5]} in {param} contain out-of-vocab token ids. Vocabulary size: "
+                   f"{ctx.vocab_size}", 400, param)
 
 
 def _check_prompt(ctx: ServerContext, ids: list[int], param: str) -> None:
@@ -219,6 +253,11 @@ def sampling_params(
         check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
     if body.allowed_token_ids is not None:
         check_token_ids(ctx, body.allowed_token_ids, "allowed_token_ids")
+    if body.logprob_token_ids is not None:
+        check_token_ids(ctx, body.logprob_token_ids, "logprob_token_ids")
+        if body.use_beam_search:
+            raise APIError("`logprob_token_ids` is not supported with beam search.", 400, "logprob_token_ids")
+        logprobs = 0  # vLLM: the named tokens take the place of the top-k alternatives
     try:
         params = SamplingParams(
             n=body.n, best_of=body.best_of, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -227,6 +266,7 @@ def sampling_params(
             use_beam_search=body.use_beam_search, stop=body.stop, stop_token_ids=body.stop_token_ids,
             include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
             max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logprob_token_ids=body.logprob_token_ids,
             skip_special_tokens=body.skip_special_tokens, logit_bias=_logit_bias(ctx, body.logit_bias),
             allowed_token_ids=body.allowed_token_ids, bad_words_token_ids=_bad_words(ctx, body.bad_words),
             max_logprobs=ctx.engine.config.max_logprobs, guided=guided_spec,
@@ -281,6 +321,7 @@ def _logit_bias(ctx: ServerContext, bias: Optional[dict[str, float]]) -> Optiona
         except ValueError:
             raise APIError(f"logit_bias keys must be token ids, got {key!r}.", 400, "logit_bias") from None
         if not 0 <= token < ctx.vocab_size:
-            raise APIError(f"logit_bias key {token} is outside the vocabulary [0, {ctx.vocab_size}).", 400, "logit_bias")
+            raise APIError(f"token_id(s) [{token}] in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                           f"{ctx.vocab_size}", 400, "logit_bias")
         out[token] = value
     return out

@@ -6,13 +6,16 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.limits import (
-    MAX_CONTENT_PARTS, MAX_MESSAGES, Documents, Finite, LogitBias, MinTokens, NumChoices, NumLogprobs, NumTokens,
-    Priority, RequestId, Seed, StopList, StopTokenIds, TemplateKwargs, Text, TextPrompts, TokenIds, TokenPrompts, TopK,
-    TopLogprobs, TruncateTokens,
+    MAX_CONTENT_PARTS, MAX_MESSAGES, Documents, Finite, LogitBias, LogprobTokenIds, MinTokens, NumChoices, NumLogprobs,
+    NumTokens, Priority, RequestId, Seed, StopList, StopTokenIds, TemplateKwargs, Text, TextPrompts, TokenIds,
+    TokenPrompts, TopK, TruncateTokens,
 )
 
 PromptType = Union[Text, TextPrompts, TokenIds, TokenPrompts]
 StopType = Union[Text, StopList, None]
+# A field of a streamed chunk that is left out of its JSON when None (vLLM's chunks omit what was not set), so the
+# usual chunk stays byte for byte what server/streaming.ChunkJSON writes.
+_OMITTED_IF_NONE = dict(default=None, exclude_if=lambda v: v is None)
 
 
 class RequestModel(BaseModel):
@@ -52,7 +55,7 @@ class StreamOptions(RequestModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
-    """vLLM: every chunk carries `usage`: its prompt's tokens and its choice's tokens so far."""
+    """vLLM: with include_usage, every chunk carries `usage`: its prompt's tokens and its choice's tokens so far."""
 
 
 class JsonSchemaFormat(RequestModel):
@@ -129,9 +132,19 @@ class SamplingFields(GuidedFields):
     """vLLM: join special tokens with spaces when the tokenizer's decoding does (byte-level BPE tokenizers never
     insert them, so both values give the same text there, as in vLLM)."""
     truncate_prompt_tokens: Optional[TruncateTokens] = None
-    """vLLM: keep only the last k prompt tokens (-1: the context length)."""
+    """vLLM: keep only k prompt tokens (-1: the context length), the last ones unless truncation_side says "right"."""
+    truncation_side: Optional[Literal["left", "right"]] = None
+    """vLLM: with truncate_prompt_tokens, "left" (the default) cuts the start and keeps the last k tokens, "right"
+    cuts the end and keeps the first k."""
     prompt_logprobs: Optional[NumLogprobs] = None
-    """vLLM: return each prompt token's logprob and the top-k alternatives (`prompt_logprobs`; not with stream)."""
+    """vLLM: return each prompt token's logprob and the top-k alternatives (-1: the whole vocabulary; not with
+    stream)."""
+    logprob_token_ids: Optional[LogprobTokenIds] = None
+    """vLLM: the logprobs of these token ids at each generated position, beside the sampled token's, in place of
+    the top-k alternatives (needs logprobs)."""
+    return_token_ids: bool = False
+    """vLLM: the prompt's token ids (`prompt_token_ids`) and each choice's generated ones (`token_ids`); streamed,
+    the prompt's come with the first chunk and each chunk has its new ids."""
     allowed_token_ids: Optional[TokenIds] = None
     """vLLM: sample only from these token ids."""
     bad_words: Optional[StopList] = None
@@ -152,6 +165,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: Optional[NumTokens] = 16
     echo: bool = False
     logprobs: Optional[NumLogprobs] = None
+    """The top-k alternatives of each token (-1: the whole vocabulary, vLLM), at most --max-logprobs."""
     suffix: Optional[Text] = None
     add_special_tokens: bool = True
     """vLLM: add the tokenizer's special tokens (BOS) to text prompts."""
@@ -183,7 +197,9 @@ class ChatMessage(RequestModel):
     """One message of a chat; content is a string or a list of text parts. An assistant message may carry the
     tool calls it made; a `tool` message answers one of them (tool_call_id)."""
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Annotated[Text, Field(min_length=1, max_length=64)]
+    """system, user, assistant, tool, developer (rendered as system), or another role the chat template knows
+    (vLLM passes any role through)."""
     content: Union[Text, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)], None] = None
     name: Optional[Text] = None
     tool_calls: Optional[Annotated[list[ToolCallIn], Field(max_length=MAX_MESSAGES)]] = None
@@ -246,11 +262,19 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_tokens: Optional[NumTokens] = None
     max_completion_tokens: Optional[NumTokens] = None
     logprobs: bool = False
-    top_logprobs: Optional[TopLogprobs] = None
+    top_logprobs: Optional[NumLogprobs] = None
+    """The alternatives of each token (needs logprobs; -1: the whole vocabulary, vLLM), at most --max-logprobs."""
     echo: bool = False
     """vLLM: the reply starts with the last message's content when that message is the assistant's."""
     add_special_tokens: bool = False
     """vLLM: add the tokenizer's special tokens (BOS) to the rendered prompt; the chat template already has them."""
+
+
+class PromptTokensDetails(BaseModel):
+    """What of the prompt was not computed again (with --enable-prompt-tokens-details, as vLLM)."""
+
+    cached_tokens: int
+    """Prompt tokens whose KV came from the prefix cache (0 without --enable-prefix-caching)."""
 
 
 class UsageInfo(BaseModel):
@@ -259,6 +283,7 @@ class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = Field(**_OMITTED_IF_NONE)
 
 
 class CompletionLogprobs(BaseModel):
@@ -290,12 +315,25 @@ class CompletionStreamChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    prompt_token_ids: Optional[list[int]] = Field(**_OMITTED_IF_NONE)
+    """return_token_ids: the prompt's token ids, in the choice's first chunk."""
+    token_ids: Optional[list[int]] = Field(**_OMITTED_IF_NONE)
+    """return_token_ids: the token ids this chunk adds."""
 
 
-class CompletionChoice(CompletionStreamChoice):
+class CompletionChoice(BaseModel):
     """One choice of a completion."""
 
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = None
+    """return_token_ids: the prompt's token ids."""
+    token_ids: Optional[list[int]] = None
+    """return_token_ids: the choice's generated token ids."""
 
 
 class CompletionResponse(BaseModel):
@@ -385,6 +423,8 @@ class ChatChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = None
+    """return_token_ids: the choice's generated token ids."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -397,6 +437,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: Optional[PromptLogprobs] = None
+    prompt_token_ids: Optional[list[int]] = None
+    """return_token_ids: the rendered prompt's token ids."""
 
 
 class ChatDelta(BaseModel):
@@ -415,6 +457,8 @@ class ChatStreamChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
+    token_ids: Optional[list[int]] = Field(**_OMITTED_IF_NONE)
+    """return_token_ids: the token ids this chunk adds."""
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -426,6 +470,8 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = Field(**_OMITTED_IF_NONE)
+    """return_token_ids: the rendered prompt's token ids, in the first chunk of each choice (its role)."""
 
 
 class ModelCard(BaseModel):
@@ -452,6 +498,8 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: Optional[Text] = None
     messages: Optional[ChatMessages] = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False
+    """vLLM: also return each token as the tokenizer's string for it (`token_strs`)."""
 
 
 class TokenizeResponse(BaseModel):
@@ -460,6 +508,8 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: Optional[list[str]] = None
+    """return_token_strs: each token's string in the tokenizer's vocabulary (byte-level BPE shows a space as Ġ)."""
 
 
 class DetokenizeRequest(RequestModel):

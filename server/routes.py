@@ -142,7 +142,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         tokens = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         tokens = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
-    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len)
+    strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=ctx.max_model_len, token_strs=strs)
 
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:

@@ -162,7 +162,12 @@ async def _events(engine: Any, job: Job) -> AsyncIterator[bytes]:
         if job.kind is JobKind.CHAT:
             usage = _running_usage(job, 0, 0)
             for j in range(job.params.n):
-                yield sse_event(chunks.chat(j, "", None, None, usage, role="assistant"))
+                if job.return_token_ids:  # vLLM: the prompt's ids ride on each choice's first (role) chunk
+                    role = _chat_chunk(job, j, ChatDelta(role="assistant", content=""), usage=usage)
+                    role.prompt_token_ids = job.prompts[0]
+                    yield data(role)
+                else:
+                    yield sse_event(chunks.chat(j, "", None, None, usage, role="assistant"))
                 if job.echo_text:
                     yield sse_event(chunks.chat(j, job.echo_text, None, None, usage))
         async for i, out in run_job(engine, job):
@@ -209,20 +214,26 @@ def _choice_delta(
         logprobs = formatting.output_logprobs(tokenizer, job, c, state.num_tokens, offset)
         if prefix:
             logprobs = formatting.concat_logprobs(formatting.echo_logprobs(tokenizer, job, out, i), logprobs)
-    if not text and not prefix and reason is None and logprobs is None:
+    # return_token_ids: the ids this chunk adds (also when the text they make is still held back, as vLLM)
+    token_ids = c.token_ids[state.num_tokens:] if job.return_token_ids else None
+    if not text and not prefix and reason is None and logprobs is None and not token_ids:
         return None
+    first = not state.started
     state.started, state.text_len, state.num_tokens = True, len(c.text), len(c.token_ids)
     state.finished = reason is not None
     usage = _running_usage(job, i, len(c.token_ids))
     if job.kind is JobKind.CHAT:
-        if logprobs is None and tool_deltas is None:  # the usual chunk: its JSON written directly
+        if logprobs is None and tool_deltas is None and token_ids is None:  # the usual chunk, its JSON written directly
             return chunks.chat(index, text, reason, c.stop_reason, usage)
         delta = ChatDelta(content=text if text or tool_deltas is None else None, tool_calls=tool_deltas)
-        return _chat_chunk(job, index, delta, logprobs, reason, c.stop_reason, usage).model_dump_json()
-    if logprobs is None:
+        chat_chunk = _chat_chunk(job, index, delta, logprobs, reason, c.stop_reason, usage)
+        chat_chunk.choices[0].token_ids = token_ids
+        return chat_chunk.model_dump_json()
+    if logprobs is None and token_ids is None:
         return chunks.completion(index, prefix + text, reason, c.stop_reason, usage)
     choice = CompletionStreamChoice(index=index, text=prefix + text, logprobs=logprobs, finish_reason=reason,
-                                    stop_reason=c.stop_reason)
+                                    stop_reason=c.stop_reason, token_ids=token_ids,
+                                    prompt_token_ids=job.prompts[i] if token_ids is not None and first else None)
     return _envelope(job, [choice], usage).model_dump_json()
 
 

@@ -84,13 +84,70 @@ def guided_spec(tool_plan: ToolPlan, tools: list[ChatTool]) -> Optional[GuidedSp
     params = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
     if tool_plan.mode == "named":
         return GuidedSpec.json_schema(params[tool_plan.name])
+    params, defs = _hoist_defs(params)
     one_call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for name, schema in params.items()]
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
     if not tool_plan.parallel:
         calls["maxItems"] = 1
+    if defs:
+        calls["$defs"] = defs
     return GuidedSpec.json_schema(calls)
+
+
+_DEFS_KEYS = ("$defs", "definitions")  # where a schema keeps the definitions its "#/..." references name
+
+
+def _hoist_defs(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Each tool's parameters less their own definitions, and all the definitions, for the root of the "required"
+    schema: a tool's `{"$ref": "#/$defs/X"}` (pydantic's nested models) resolves from the document's root, which
+    is no longer the tool's. A name two tools define differently becomes `<tool>.<name>` in the second, whose
+    references follow."""
+    out: dict[str, Any] = {}
+    defs: dict[str, Any] = {}
+    for tool, schema in params.items():
+        if not isinstance(schema, dict) or not any(isinstance(schema.get(k), dict) for k in _DEFS_KEYS):
+            out[tool] = schema
+            continue
+        schema = dict(schema)
+        own = [(key, name, sub) for key in _DEFS_KEYS if isinstance(schema.get(key), dict)
+               for name, sub in schema.pop(key).items()]
+        renames: dict[str, str] = {}
+        names = []
+        for key, name, sub in own:
+            new = name if defs.get(name, sub) == sub else f"{tool}.{name}"
+            defs.setdefault(new, sub)  # (taken: a later definition of another shape gets a name of its own)
+            names.append(new)
+            renames[f"#/{key}/{_pointer(name)}"] = f"#/$defs/{_pointer(new)}"
+        for (_, _, sub), new in zip(own, names):
+            defs[new] = _renamed_refs(sub, renames)
+        out[tool] = _renamed_refs(schema, renames)
+    return out, defs
+
+
+def _pointer(name: str) -> str:
+    """A definition's name as a JSON pointer segment."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _renamed_refs(value: Any, renames: dict[str, str]) -> Any:
+    """A copy of value whose "$ref"s into a renamed definition (it, or a path inside it) point at the new name."""
+    if isinstance(value, list):
+        return [_renamed_refs(v, renames) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, sub in value.items():
+        if key == "$ref" and isinstance(sub, str):
+            for old, new in renames.items():
+                if sub == old or sub.startswith(old + "/"):
+                    sub = new + sub[len(old):]
+                    break
+            out[key] = sub
+        else:
+            out[key] = _renamed_refs(sub, renames)
+    return out
 
 
 def template_renders_tools(template: Optional[str]) -> bool:

@@ -229,6 +229,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(group)
+            if group.metrics.num_cached_tokens is None:
+                group.metrics.num_cached_tokens = seqs[0].num_computed_tokens
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)

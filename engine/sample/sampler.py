@@ -90,7 +90,8 @@ class BatchParams:
 
 def _simple_group(group: SequenceGroup, seqs: list[Sequence]) -> bool:
     p = group.sampling_params
-    return (not p.use_beam_search and _num_samples(group) == 1 and not p.logprobs and p.min_tokens == 0
+    return (not p.use_beam_search and _num_samples(group) == 1 and not p.logprobs and not p.logprob_token_ids
+            and p.min_tokens == 0
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and not p.logit_bias and not p.allowed_token_ids and not p.bad_words_token_ids
             and all(seq.grammar is None for seq in seqs))
@@ -299,12 +300,27 @@ class Sampler:
         if k > 0:
             top_vals, top_ids = raw_logprobs.topk(k, dim=-1)  # [num_rows, k]
             parts += [top_ids.double().flatten(), top_vals.double().flatten()]
+        named_at: dict[int, int] = {}  # row -> where its named tokens' logprobs start in the named part
+        named_rows, named_ids = [], []
+        for gi, (group, seqs) in enumerate(groups):
+            ids = group.sampling_params.logprob_token_ids
+            for row in range(starts[gi], starts[gi] + len(seqs)) if ids else ():
+                named_at[row] = len(named_rows)
+                named_rows += [row] * len(ids)
+                named_ids += ids
+        if named_rows:  # logprob_token_ids: each row's named tokens, from the raw logits as every logprob here
+            rows_t = torch.tensor(named_rows, dtype=torch.long, device=raw_logits.device)
+            ids_t = torch.tensor(named_ids, dtype=torch.long, device=raw_logits.device)
+            named = (raw_logprobs[rows_t, ids_t] if k > 0
+                     else raw_logits[rows_t, ids_t] - raw_stats[1][rows_t])  # [len(named_rows)]
+            parts.append(named.double())
         flat = torch.cat(parts).tolist()  # the one device -> host transfer
         n = len(slot_rows_t)
         rows, tokens, lps = flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
         num_rows = raw_logits.shape[0]
         top_ids_l = flat[3 * n : 3 * n + num_rows * k]
-        top_vals_l = flat[3 * n + num_rows * k :]
+        top_vals_l = flat[3 * n + num_rows * k : 3 * n + 2 * num_rows * k]
+        named_l = flat[3 * n + 2 * num_rows * k :]
 
         out: list[list[Sample]] = []
         slot = 0
@@ -312,6 +328,7 @@ class Sampler:
             params = group.sampling_params
             count = 2 * params.best_of if params.use_beam_search else len(seqs) * _num_samples(group)
             want = params.logprobs or 0
+            named_ids = params.logprob_token_ids or ()
             samples = []
             for s in range(slot, slot + count):
                 row, token = int(rows[s]), int(tokens[s])
@@ -319,6 +336,9 @@ class Sampler:
                 base = row * k
                 for j in range(want):
                     logprobs.setdefault(int(top_ids_l[base + j]), top_vals_l[base + j])
+                at = named_at.get(row, 0)
+                for j, named_id in enumerate(named_ids):
+                    logprobs.setdefault(named_id, named_l[at + j])
                 samples.append(Sample(seqs[row - starts[gi]].seq_id, token, logprobs))
             out.append(samples)
             slot += count
@@ -326,7 +346,8 @@ class Sampler:
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and not params.logprobs  # greedy excludes beam search; one sample a row (_num_samples)
+    # (greedy excludes beam search; one sample a row: _num_samples)
+    return params.greedy and not params.logprobs and not params.logprob_token_ids
 
 
 def _greedy_samples(logits: torch.Tensor, groups: list[tuple[SequenceGroup, list[Sequence]]]) -> list[list[Sample]]:

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from soak import start_server  # noqa: E402  (scripts/soak.py: the tests' CLI servers start there)
 
 PROMPT = [1450, 2001, 314, 9054, 28, 3022]
+NAMED = [5, 100, 2000]  # logprob_token_ids
 
 
 def _start(model_dir, log_path, *extra):
@@ -204,14 +205,16 @@ def test_sigterm_drains_the_server_and_its_core(tiny_llama_dir, tmp_path, one_ra
 
 def _responses(base) -> list:
     """A mix of what a stream carries across the boundary as deltas: logprobs and prompt logprobs with echo, two
-    seeded samples of one prompt, a stop string that cuts the text back, beam search's choices at the end; each
-    streamed and not; a prompt of two full blocks that the prefix cache serves the second time (with logprobs, which
-    tell a block computed from one read from the cache, were that wrong). Ids and timestamps left out."""
+    seeded samples of one prompt, a stop string that cuts the text back, beam search's choices at the end, the
+    logprobs of named tokens with the token ids; each streamed and not, with its usage; a prompt of two full blocks
+    that the prefix cache serves the second time (with logprobs, which tell a block computed from one read from the
+    cache, were that wrong; and the usage's cached tokens). Ids and timestamps left out."""
     bodies = [
         dict(max_tokens=10, logprobs=2, echo=True, prompt_logprobs=1),
         dict(max_tokens=10, n=2, temperature=0.8, seed=7),
         dict(max_tokens=24, stop=[" the", "e"]),
         dict(max_tokens=6, n=2, use_beam_search=True, temperature=0.0),
+        dict(max_tokens=6, logprobs=1, logprob_token_ids=NAMED, return_token_ids=True),
         dict(max_tokens=6, logprobs=1, prompt=PROMPT * 45),  # 270 tokens: two 128-token blocks
     ]
     got = []
@@ -221,10 +224,11 @@ def _responses(base) -> list:
             body["ignore_eos"] = True
         r = httpx.post(base + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        got.append(r.json()["choices"])
-        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        got.append((r.json()["choices"], r.json()["usage"]))
+        with httpx.stream("POST", base + "/v1/completions", timeout=120,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
             chunks = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data: {")]
-        got.append(_joined(chunks))
+        got.append((_joined(chunks), chunks[-1]["usage"] if chunks else r.status_code))  # (400: prompt logprobs)
     return got
 
 
@@ -235,8 +239,10 @@ def _joined(chunks: list[dict]) -> dict:
     choices: dict = {}
     for chunk in chunks:
         for c in chunk["choices"]:
-            j = choices.setdefault(c["index"], {"text": "", "logprobs": {}, "finish_reason": None, "stop_reason": None})
+            j = choices.setdefault(c["index"], {"text": "", "logprobs": {}, "finish_reason": None, "stop_reason": None,
+                                                "prompt_token_ids": c.get("prompt_token_ids"), "token_ids": []})
             j["text"] += c["text"]
+            j["token_ids"] += c.get("token_ids", [])
             for key, values in (c.get("logprobs") or {}).items():
                 j["logprobs"].setdefault(key, []).extend(values)
             if c.get("finish_reason") is not None:
@@ -291,7 +297,10 @@ def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir
     """Outputs cross the process boundary as deltas (engine/core_proc.py OutputDeltas): every stream and every
     whole response equals the in-process server's, prefix caching on in both; the engine's figures cross it too
     (EngineStats), and /metrics counts the same in both."""
-    proc, base, _ = _start(tiny_llama_dir, tmp_path / "core.log", "--enable-prefix-caching", "--max-model-len", "512")
+    from transformers import AutoTokenizer
+
+    proc, base, _ = _start(tiny_llama_dir, tmp_path / "core.log", "--enable-prefix-caching", "--max-model-len", "512",
+                           "--enable-prompt-tokens-details")
     try:
         remote = _responses(base)
         hit_rate = metric(httpx.get(base + "/metrics", timeout=10).text, "pagedserve:prefix_cache_hit_rate")
@@ -301,8 +310,8 @@ def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir
         proc.wait(timeout=60)
     proc, base = start_server(
         [str(tiny_llama_dir), "--served-model-name", "tiny", "--max-model-len", "512", "--dtype", "float32",
-         "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16", "--enable-prefix-caching"],
-        str(tmp_path / "local.log"))
+         "--num-gpu-blocks-override", "64", "--num-cpu-blocks-override", "16", "--enable-prefix-caching",
+         "--enable-prompt-tokens-details"], str(tmp_path / "local.log"))
     try:
         local = _responses(base)
         _metrics_count_what_was_served(base)
@@ -310,6 +319,11 @@ def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     assert hit_rate > 0  # the core's prefix cache served the long prompt's second request
+    assert [usage["prompt_tokens_details"]["cached_tokens"] for _, usage in remote[-2:]] == [0, 256]
+    named = remote[-4][0][0]  # the token ids came back, and the named tokens' logprobs
+    assert named["prompt_token_ids"] == PROMPT and len(named["token_ids"]) == 6
+    texts = {AutoTokenizer.from_pretrained(str(tiny_llama_dir)).decode([t]) for t in NAMED}
+    assert all(texts <= set(top) for top in named["logprobs"]["top_logprobs"])
     assert remote == local
 
 

@@ -96,10 +96,10 @@ def test_openapi_documents_the_api(generated):
 
 
 @pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": ["Hi", "Yo"], "n": 2, "logprobs": 1, "echo": True,
+    ("/v1/completions", {"prompt": ["Hi", "Yo"], "n": 2, "logprobs": 1, "echo": True, "return_token_ids": True,
                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1,
-                              "stream_options": {"include_usage": True}}),
+                              "return_token_ids": True, "stream_options": {"include_usage": True}}),
     ("/v1/responses", {"input": "Hi", "instructions": "Be brief."}),
 ])
 def test_stream_chunks_match_their_documented_schemas(tiny_server, path, body):

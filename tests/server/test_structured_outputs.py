@@ -163,6 +163,40 @@ def test_tool_choice_required(client):
         assert set(args) == ({"city", "unit"} if call.function.name == "get_weather" else {"zone"})
 
 
+class Place(BaseModel):
+    city: str = Field(max_length=12)
+
+
+class Trip(BaseModel):
+    start: Place
+    end: Place
+
+
+def test_tool_choice_required_with_nested_models(client):
+    """Tools whose parameters name their nested models by `$ref: "#/$defs/..."` (what pydantic writes), two of them
+    a model `Place` each of its own shape: the "required" grammar carries every tool's definitions to its root,
+    where the references resolve, and whichever tool the model calls, its arguments follow that tool's schema."""
+    trip = openai.pydantic_function_tool(Trip, name="plan_trip")
+    zip_place = {"type": "object", "properties": {"zip": {"type": "string", "maxLength": 5}}, "required": ["zip"],
+                 "additionalProperties": False}
+    find = {"type": "function", "function": {"name": "find_place", "parameters": {
+        "$defs": {"Place": zip_place}, "type": "object", "properties": {"at": {"$ref": "#/$defs/Place"}},
+        "required": ["at"], "additionalProperties": False}}}
+    assert "Place" in trip["function"]["parameters"]["$defs"]
+    for tools in ([trip], [find, trip]):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Plan a trip."}],
+                                           tools=tools, tool_choice="required", max_tokens=120, temperature=0,
+                                           parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        call = choice.message.tool_calls[0].function
+        if call.name == "plan_trip":
+            Trip.model_validate_json(call.arguments)
+        else:
+            at = json.loads(call.arguments)["at"]
+            assert call.name == "find_place" and set(at) == {"zip"} and len(at["zip"]) <= 5
+
+
 def test_named_tool_choice_and_a_tool_result_round_trip(client):
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], max_tokens=60,
