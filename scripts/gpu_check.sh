@@ -207,7 +207,7 @@ if [ "$cpu_mode" = 1 ]; then
   step kernel-bench "$python" benchmarks/kernels.py --device cpu --batches 1 --contexts 128 --min-time 0.01 \
     --out "$work/kernels.json"
 else
-  step kernel-bench "$python" benchmarks/kernels.py --device cuda --full --min-time 0.05 \
+  step kernel-bench "$python" benchmarks/kernels.py --device cuda --full --min-time 0.02 \
     --out "$work/kernels.json"
 fi
 
@@ -238,8 +238,8 @@ step throughput "$python" benchmarks/throughput.py --model "$work/llama-1b" --dt
 for b in "${batches[@]}"; do
   step "profile-step-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" --dtype bfloat16 \
     --batch "$b" --steps "$steps" --output-json "$work/profile-$b.json"
-  # The same step op by op (no CUDA graphs): what the graphs win.
-  step "profile-step-eager-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" \
+  # The same step op by op (no CUDA graphs): what the graphs win (GPU_CHECK_EAGER=0 leaves it out).
+  [ "${GPU_CHECK_EAGER:-1}" = 1 ] && step "profile-step-eager-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" \
     --dtype bfloat16 --enforce-eager --batch "$b" --steps "$steps" --output-json "$work/profile-eager-$b.json"
   # fp8 weights (--quantization fp8: torch's scaled matmul): the same step with half the weight bytes.
   step "profile-step-fp8-batch-$b" "$python" benchmarks/profile_step.py --model "$work/llama-1b" --dtype bfloat16 \
