@@ -13,6 +13,9 @@ import shutil
 import sys
 from pathlib import Path
 
+# The checkout's engine, where nothing installed it (the GPU machine runs this from a bare checkout).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 # Random-weight Llamas: the default model's own shapes (its config.json), a 1B-class one (the served and offline
 # benchmarks: hidden 2048, 16 layers, 32/8 heads of 64, MLP 8192, the default vocabulary), tiny ones (CPU runs).
 SIZES = {

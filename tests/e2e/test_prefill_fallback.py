@@ -99,22 +99,23 @@ def test_sdpa_per_sequence_equals_the_cpu_prefill_kernel():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_requests_complete_when_xformers_cannot_run(monkeypatch, caplog, tiny_llama_dir, hf_tiny, prompt_ids):
+def test_requests_complete_when_xformers_cannot_run(monkeypatch, caplog, tiny_llama_hd64_dir, hf_tiny64, prompt_ids):
     """An engine whose candidates are a broken xformers and SDPA (as a GPU machine with PyPI's xformers): one
-    warning at start, every prefill on SDPA, and HF's greedy tokens."""
+    warning at start, every prefill on SDPA, and HF's greedy tokens. The head_dim-64 model: on a GPU machine the
+    engine runs on CUDA, whose paged kernel refuses smaller heads."""
     from engine import LLM
     from engine.worker import model_runner
 
     sdpa = CountingSdpa()
     monkeypatch.setattr(model_runner, "candidates_for", lambda device: [broken_xformers(), sdpa])
     with caplog.at_level(logging.WARNING, logger="pagedserve.attention"):
-        llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=80, num_gpu_blocks_override=64)
+        llm = LLM(model=str(tiny_llama_hd64_dir), dtype="float32", max_model_len=80, num_gpu_blocks_override=64)
     assert llm.engine.model_runner.prefill_kernel is sdpa
     prompts = prompt_ids[:3]
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(ignore_eos=True), use_tqdm=False)
     assert sdpa.calls > 0  # the prefills went through the fallback, not the CPU kernel
     for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].token_ids == hf_greedy(hf_tiny, prompt, MAX_TOKENS, eos_token_id=None)
+        assert out.outputs[0].token_ids == hf_greedy(hf_tiny64, prompt, MAX_TOKENS, eos_token_id=None)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
                 and r.getMessage().startswith("prefill attention")]
     assert len(warnings) == 1 and "No operator found" in warnings[0]
