@@ -6,11 +6,13 @@ Messages, one msgpack array each (the first item names it):
   frontend -> core: ("add", request_id, prompt, prompt_token_ids, params, arrival_time, priority)
                     ("abort", [request_id, ...]), ("stats",), ("reset",), ("problems",), ("stop",)
   core -> frontend: ("ready", config, vocab_size), ("out", [output delta, ...], stats) once per step,
-                    ("fail", stage, error type, message, [ended request_id, ...], [output delta, ...], stats)
-                    for a StepError, ("refused", request_id, error type, message) for an add the engine refused,
+                    ("fail", stage, error, [ended request_id, ...], [held request_id, ...], adds, [output delta, ...],
+                    stats) for a StepError (held: the requests the core holds after it, adds: how many adds it had
+                    taken), ("refused", request_id, error) for an add the engine refused,
                     ("stats", stats) answering "stats", ("aborted", stats) after an abort (figures the frontend takes
                     in passing), ("reset", [dropped request_id, ...], stats), ("problems", [str, ...]),
                     ("fatal", message)
+An error is (type name, message, bad input): error_fields.
 An output delta is a RequestOutput as what changed since the request's last one (OutputDeltas): the prompt, its ids
 and prompt logprobs once, then per choice the text, token ids and logprobs each as (kept length, new items). A
 RequestOutput holds the whole text and token ids so far: sent whole, a step at 256 streams of 128 tokens carried
@@ -64,6 +66,13 @@ def encoder() -> msgspec.msgpack.Encoder:
 
 def decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder()
+
+
+def error_fields(exc: BaseException) -> tuple[str, str, bool]:
+    """An exception as it crosses to the frontend: its type's name, its message, and whether it is the request's
+    bad input (a ValueError of any kind, or the params failing msgspec's validation), which the client gets as a
+    400 as in one process."""
+    return type(exc).__name__, str(exc), isinstance(exc, ValueError)  # (msgspec.ValidationError is one)
 
 
 def _kept(new: Any, old: Any) -> int:
@@ -131,7 +140,8 @@ class OutputAssembler:
     engine's). A delta of a request not in `live` (aborted here while the core sent it) is dropped. decode runs on the
     step thread; forget and clear, called from the thread that aborts or resets, only queue their work for decode's
     next call, so the event loop never waits on a step's decoding (and an abort racing a decode cannot be undone by
-    it: the forget applies after).
+    it: the forget applies after). decode_text applies them first too: a request registered after a clear keeps
+    its registration.
 
     Detokenization is done here, as vLLM V1's API server does it, for every request registered with decode_text
     (all but those whose text the engine reads itself: engine/detokenizer.py engine_reads_text): the core sends
@@ -151,6 +161,7 @@ class OutputAssembler:
 
     def decode_text(self, request_id: str, params: Any) -> None:
         """Decode this request's text here (call before its add is sent, on the thread that calls decode)."""
+        self._apply_pending()
         self._here[request_id] = (params.skip_special_tokens, params.include_stop_str_in_output)
 
     def decode(self, items: list, live: set[str]) -> list[RequestOutput]:
@@ -287,8 +298,7 @@ class EngineCoreLoop:
     def __init__(self, config: EngineConfig, inbox, outbox, enc, fatal_path: Optional[str] = None) -> None:
         from engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(config)
-        self.engine.output_processor.detokenize_all = False  # the API server decodes the rest (OutputAssembler)
+        self.engine = LLMEngine(config, detokenize_all=False)  # the API server decodes the rest (OutputAssembler)
         self.inbox, self.outbox, self.enc, self.fatal_path = inbox, outbox, enc, fatal_path
         hook = os.environ.get(FAULT_INJECTOR_ENV)
         if hook:
@@ -300,6 +310,7 @@ class EngineCoreLoop:
         self._grammar_pool: Optional[ThreadPoolExecutor] = None
         self._compiling: set[str] = set()  # requests whose grammar compiles in the pool (an abort takes its id out)
         self._compiled: queue.SimpleQueue = queue.SimpleQueue()  # (the add's arguments, grammar or exception)
+        self._adds = 0  # "add" messages taken (a "fail" says how many: core_client.py tells a lost request by it)
         vocab = min(len(self.engine.tokenizer), int(self.engine.hf_config.vocab_size))
         self._send(("ready", msgspec.to_builtins(self.engine.config), vocab))
 
@@ -333,7 +344,8 @@ class EngineCoreLoop:
                     continue
                 outputs = engine.step()
             except StepError as exc:
-                self._send(("fail", exc.stage, type(exc.cause).__name__, str(exc.cause), exc.request_ids,
+                held = sorted(engine.request_ids() | self._compiling)
+                self._send(("fail", exc.stage, error_fields(exc.cause), exc.request_ids, held, self._adds,
                             self.deltas.encode(exc.outputs), engine.get_stats()))
                 self.deltas.forget(exc.request_ids)
                 continue
@@ -349,7 +361,7 @@ class EngineCoreLoop:
             self.engine.add_request(*args, grammar=grammar)
         except Exception as exc:  # this request alone (the frontend checked its input already)
             self.engine.abort_request(request_id)  # whatever of it got into a queue
-            self._send(("refused", request_id, type(exc).__name__, str(exc)))
+            self._send(("refused", request_id, error_fields(exc)))
 
     def _compile(self, args: tuple) -> None:  # in the grammar thread
         try:
@@ -369,7 +381,7 @@ class EngineCoreLoop:
                 continue
             self._compiling.discard(args[0])
             if isinstance(grammar, Exception):
-                self._send(("refused", args[0], type(grammar).__name__, str(grammar)))
+                self._send(("refused", args[0], error_fields(grammar)))
             else:
                 self._add(args, grammar)
 
@@ -380,13 +392,14 @@ class EngineCoreLoop:
         kind = msg[0]
         engine = self.engine
         if kind == "add":
+            self._adds += 1
             _, request_id, prompt, token_ids, params, arrival, priority = msg
             try:
                 args = (request_id, prompt, token_ids, msgspec.convert(params, SamplingParams), arrival, priority)
                 spec = args[3].guided
                 compile_first = spec is not None and engine.structured.cached(spec) is None
-            except Exception as exc:  # this request alone (the frontend checked its input already)
-                self._send(("refused", request_id, type(exc).__name__, str(exc)))
+            except Exception as exc:  # this request alone (params that no longer validate: a ValidationError)
+                self._send(("refused", request_id, error_fields(exc)))
                 return True
             if compile_first:
                 if self._grammar_pool is None:
