@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import msgspec
 import zmq
 
-from engine import core_proc
+from engine import core_proc, wire
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer, engine_reads_text
 from engine.faults import ADMISSION, StepError
@@ -46,18 +46,16 @@ class EngineCoreDiedError(RuntimeError):
 
 
 _REMOTE_ERRORS: dict[tuple[str, bool], type] = {}
-_FIGURES = ("stats", "aborted")  # messages that only carry the core's figures
 
 
-def _remote_error(error: list) -> BaseException:
-    """The core's (type name, message, bad input) as an exception named as the core's was (the client reads
-    "<type>: <message>", as in one process). Bad input (a ValueError of any subclass, GrammarError among them, or a
-    msgspec validation error in the core: core_proc.error_fields) is a ValueError here: a 400, as in one process."""
-    type_name, message, bad_input = error
-    cls = _REMOTE_ERRORS.get((type_name, bad_input))
+def _remote_error(error: wire.Error) -> BaseException:
+    """The core's error as an exception named as the core's was (the client reads "<type>: <message>", as in one
+    process); bad input (wire.Error) is a ValueError here: a 400, as in one process."""
+    key = (error.type_name, error.bad_input)
+    cls = _REMOTE_ERRORS.get(key)
     if cls is None:
-        cls = _REMOTE_ERRORS[type_name, bad_input] = type(type_name, (ValueError if bad_input else RuntimeError,), {})
-    return cls(message)
+        cls = _REMOTE_ERRORS[key] = type(error.type_name, (ValueError if error.bad_input else RuntimeError,), {})
+    return cls(error.message)
 
 
 class RemoteEngineCore:
@@ -67,13 +65,13 @@ class RemoteEngineCore:
     waited on for good: every wait is a poll of at most _POLL_MS under `_io`, after which a core that died or a
     shutdown ends it, so a shutdown from another thread takes `_io` before it closes them."""
 
-    def __init__(self, config: EngineConfig, proc, ctx: zmq.Context, outbox, inbox, ready: list, folder) -> None:
+    def __init__(self, config: EngineConfig, proc, ctx: zmq.Context, outbox, inbox, ready: wire.Ready,
+                 folder) -> None:
         self.proc, self._ctx, self._outbox, self._inbox, self._folder = proc, ctx, outbox, inbox, folder
-        self._enc, self._dec = core_proc.encoder(), core_proc.decoder()
+        self._enc, self._dec = wire.encoder(), wire.decoder(wire.FromCore)
         self._io = threading.Lock()  # held around each use of the sockets
         self._closed = False
-        _, resolved, self.vocab_size = ready
-        self.config = msgspec.convert(resolved, EngineConfig)
+        self.config, self.vocab_size = ready.config, ready.vocab_size
         from engine.model_executor.loader import _source, load_tokenizer
 
         source = _source(self.config)
@@ -105,16 +103,16 @@ class RemoteEngineCore:
         outbox.bind(in_addr)
         inbox.bind(out_addr)
         proc = core_proc.spawn(config, in_addr, out_addr, str(Path(folder.name) / "fatal"))
-        dec = core_proc.decoder()
+        dec = wire.decoder(wire.FromCore)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
             if inbox.poll(200):
                 msg = dec.decode(inbox.recv())
-                if msg[0] == "ready":
+                if isinstance(msg, wire.Ready):
                     return cls(config, proc, ctx, outbox, inbox, msg, folder)
-                if msg[0] == "fatal":
+                if isinstance(msg, wire.Fatal):
                     proc.join(5)
-                    raise ValueError(f"the engine core failed to start: {msg[1]}")
+                    raise ValueError(f"the engine core failed to start: {msg.reason}")
             if not proc.is_alive() or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError(f"the engine core did not start (exit code {proc.exitcode})")
@@ -154,8 +152,8 @@ class RemoteEngineCore:
         if here:
             self._outputs.decode_text(request_id, params)
         try:
-            self._send(("add", request_id, prompt, list(prompt_token_ids), params,
-                        arrival_time if arrival_time is not None else time.monotonic(), priority))
+            self._send(wire.Add(request_id, prompt, list(prompt_token_ids), msgspec.Raw(self._enc.encode(params)),
+                                arrival_time if arrival_time is not None else time.monotonic(), priority))
         except BaseException:  # not sent (the core died, the params do not encode): nothing of it is kept
             if here:
                 self._outputs.forget([request_id])
@@ -165,7 +163,7 @@ class RemoteEngineCore:
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> list:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._send(("abort", ids))
+        self._send(wire.Abort(ids))
         self._drop(ids)
         return []
 
@@ -184,32 +182,29 @@ class RemoteEngineCore:
         msg = self._next(_POLL_MS)
         if msg is None:
             return None
-        kind = msg[0]
-        if kind == "out":
-            return self._decode(msg[1], msg[2])
-        if kind == "fail":
-            _, stage, error, ended, held, adds, items, stats = msg
-            outputs = self._decode(items, stats)
-            self._drop(ended)
+        if isinstance(msg, wire.Out):
+            return self._decode(msg.deltas, msg.stats)
+        if isinstance(msg, wire.Fail):
+            outputs = self._decode(msg.deltas, msg.stats)
+            self._drop(msg.ended)
             # A fault may drop a request from the core's queues without naming it (half a schedule): one the core
             # had taken (its add among the first `adds`) and holds no more is lost, and no step will end it here.
-            held = set(held)
-            self._drop([rid for rid, n in self._unfinished.items() if n <= adds and rid not in held])
-            raise StepError(stage, _remote_error(error), ended, outputs)
-        if kind == "refused":  # (AsyncLLMEngine fails that request alone, as an add that raised in one process)
-            _, request_id, error = msg
-            self._drop([request_id])
-            raise StepError(ADMISSION, _remote_error(error), [request_id])
-        raise EngineCoreDiedError(f"the engine core stopped: {msg[1] if len(msg) > 1 else kind}")
+            held = set(msg.held)
+            self._drop([rid for rid, n in self._unfinished.items() if n <= msg.adds and rid not in held])
+            raise StepError(msg.stage, _remote_error(msg.error), msg.ended, outputs)
+        if isinstance(msg, wire.Refused):  # (AsyncLLMEngine fails that request alone, as an add that raised here)
+            self._drop([msg.request_id])
+            raise StepError(ADMISSION, _remote_error(msg.error), [msg.request_id])
+        raise EngineCoreDiedError(f"the engine core stopped: {getattr(msg, 'reason', type(msg).__name__)}")
 
     def get_stats(self) -> EngineStats:
         """The core's latest figures: sent with each step; asked for when this side holds no request (aborts just
         sent are applied before the answer, so their freed blocks show), waiting at most _STATS_TIMEOUT_S once
         there are figures to fall back on (a late answer is taken in passing, as any figures)."""
         if (self._stats is None or not self._unfinished) and self.dead_reason is None and not self._stopping:
-            reply = self._request(("stats",), "stats", None if self._stats is None else _STATS_TIMEOUT_S)
+            reply = self._request(wire.AskStats(), wire.Stats, None if self._stats is None else _STATS_TIMEOUT_S)
             if reply is not None:
-                self._stats = msgspec.convert(reply[1], EngineStats)
+                self._stats = reply.stats
         elif not self._pending and self.dead_reason is None and not self._stopping:
             msg = self._next(0)  # (between runs of steps: the step thread is not reading)
             if msg is not None:
@@ -217,19 +212,19 @@ class RemoteEngineCore:
         return self._stats
 
     def block_problems(self) -> list[str]:
-        return self._request(("problems",), "problems")[1]
+        return self._request(wire.AskProblems(), wire.Problems).problems
 
     def reset(self) -> list[str]:
-        _, dropped, stats = self._request(("reset",), "reset")
-        self._stats = msgspec.convert(stats, EngineStats)
+        reply = self._request(wire.Reset(), wire.ResetDone)
+        self._stats = reply.stats
         self._unfinished.clear()
         self._outputs.clear()
         # What the core sent before its reply is of the engine it reset (the steps it ran while the fault was
         # looked at): replayed, an output would be dropped anyway, and a "fail" would count as a new engine's fault.
-        fatal = [msg for msg in self._pending if msg[0] == "fatal"]
+        fatal = [msg for msg in self._pending if isinstance(msg, wire.Fatal)]
         self._pending.clear()
         self._pending.extend(fatal)
-        return dropped
+        return reply.dropped
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the core (graceful: it is told to; either way it is joined, and killed if it lingers), then close
@@ -257,10 +252,10 @@ class RemoteEngineCore:
 
     # ---- transport ------------------------------------------------------------------------------------------
 
-    def _decode(self, items: list, stats: Any) -> list[RequestOutput]:
+    def _decode(self, deltas: list[wire.Delta], stats: EngineStats) -> list[RequestOutput]:
         """A step's output deltas as RequestOutputs (of the requests still in flight here), and its figures."""
-        outputs = self._outputs.decode(items, self._unfinished)
-        self._stats = msgspec.convert(stats, EngineStats)
+        outputs = self._outputs.decode(deltas, self._unfinished)
+        self._stats = stats
         for out in outputs:
             if out.finished:
                 self._unfinished.pop(out.request_id, None)
@@ -280,7 +275,7 @@ class RemoteEngineCore:
         if self._stopping:
             raise EngineCoreDiedError("the engine core is shutting down")
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: wire.ToCore) -> None:
         """Queue a message for the core, waiting while its queue is full. A plain send would wait for good once the
         core died (a PUSH socket with no peer blocks): each wait is a poll, after which a dead core raises."""
         data = self._enc.encode(msg)
@@ -295,7 +290,7 @@ class RemoteEngineCore:
 
     def _send_stop(self) -> None:
         """The "stop" message of a graceful shutdown, given up on after _STOP_TIMEOUT_S (the core is then killed)."""
-        data, deadline = self._enc.encode(("stop",)), time.monotonic() + _STOP_TIMEOUT_S
+        data, deadline = self._enc.encode(wire.Stop()), time.monotonic() + _STOP_TIMEOUT_S
         while self.dead_reason is None and time.monotonic() < deadline:
             with self._io:
                 try:
@@ -304,7 +299,7 @@ class RemoteEngineCore:
                 except zmq.Again:
                     self._outbox.poll(_POLL_MS, zmq.POLLOUT)
 
-    def _recv(self, timeout_ms: int) -> Optional[list]:
+    def _recv(self, timeout_ms: int) -> Optional[wire.FromCore]:
         """The next message, None after timeout_ms without one."""
         with self._io:
             if self._closed:
@@ -313,7 +308,7 @@ class RemoteEngineCore:
                 return None
             return self._dec.decode(self._inbox.recv(copy=False))
 
-    def _next(self, timeout_ms: int) -> Optional[list]:
+    def _next(self, timeout_ms: int) -> Optional[wire.FromCore]:
         """The next message of a step (figures are taken in passing), None after timeout_ms without one.
         Only one thread at a time reads the socket: the step thread, or the loop while no step runs."""
         if self._pending:
@@ -322,14 +317,14 @@ class RemoteEngineCore:
             msg = self._recv(timeout_ms)
             if msg is None:
                 break
-            if msg[0] not in _FIGURES:
+            if not isinstance(msg, wire.FIGURES):
                 return msg
-            self._stats = msgspec.convert(msg[1], EngineStats)
+            self._stats = msg.stats
             timeout_ms = 0
         self._alive()
         return None
 
-    def _request(self, msg: tuple, reply: str, timeout_s: Optional[float] = None) -> Optional[list]:
+    def _request(self, msg: wire.ToCore, reply: type, timeout_s: Optional[float] = None) -> Any:
         """Send and wait for the reply (None after timeout_s without it); messages of steps that arrive first are
         kept for step()."""
         self._send(msg)
@@ -342,13 +337,13 @@ class RemoteEngineCore:
             if got is None:
                 self._alive()
                 continue
-            if got[0] == reply:
+            if isinstance(got, reply):
                 return got
-            if got[0] in _FIGURES:  # an abort's figures, or a late answer to an ask that gave up: taken in passing
-                self._stats = msgspec.convert(got[1], EngineStats)
+            if isinstance(got, wire.FIGURES):  # an abort's figures, or a late answer to an ask that gave up
+                self._stats = got.stats
                 continue
-            if got[0] == "fatal":
-                raise EngineCoreDiedError(f"the engine core stopped: {got[1]}")
+            if isinstance(got, wire.Fatal):
+                raise EngineCoreDiedError(f"the engine core stopped: {got.reason}")
             self._pending.append(got)
 
     def _watch(self) -> None:

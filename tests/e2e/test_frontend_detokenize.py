@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from engine import core_proc
+from engine import core_proc, wire
 from engine.detokenizer import Detokenizer, engine_reads_text
 from engine.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ def test_text_decoded_by_the_api_server_is_the_engines(make_llm):
     want = _run(engine, requests)
 
     deltas, assembler = core_proc.OutputDeltas(), core_proc.OutputAssembler(Detokenizer(engine.tokenizer))
-    enc, dec = core_proc.encoder(), core_proc.decoder()
+    enc, dec = wire.encoder(), wire.decoder(list[wire.Delta])
     live = {request_id for request_id, _, _ in requests}
 
     def register(request_id, params):
