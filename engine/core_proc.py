@@ -2,19 +2,7 @@
 reached over ZMQ with msgpack (msgspec). The API-server process drives it through RemoteEngineCore
 (engine/frontend/core_client.py), which AsyncLLMEngine uses as it uses an in-process LLMEngine.
 
-Messages, one msgpack array each (the first item names it):
-  frontend -> core: ("add", request_id, prompt, prompt_token_ids, params, arrival_time, priority)
-                    ("abort", [request_id, ...]), ("stats",), ("reset",), ("problems",), ("stop",)
-  core -> frontend: ("ready", config, vocab_size), ("out", [output delta, ...], stats) once per step,
-                    ("fail", stage, error type, message, [ended request_id, ...], [output delta, ...], stats)
-                    for a StepError, ("refused", request_id, error type, message) for an add the engine refused,
-                    ("stats", stats) answering "stats", ("aborted", stats) after an abort (figures the frontend takes
-                    in passing), ("reset", [dropped request_id, ...], stats), ("problems", [str, ...]),
-                    ("fatal", message)
-An output delta is a RequestOutput as what changed since the request's last one (OutputDeltas): the prompt, its ids
-and prompt logprobs once, then per choice the text, token ids and logprobs each as (kept length, new items). A
-RequestOutput holds the whole text and token ids so far: sent whole, a step at 256 streams of 128 tokens carried
-256 prompts and ~16k token ids, and decoding it took the frontend's step thread ~20 % of a core (py-spy, 2 vCPU).
+The messages, typed, are engine/wire.py's; a step's outputs travel as deltas (OutputDeltas, OutputAssembler).
 Text: the core decodes only the requests whose text it reads itself (stop strings, beam search, best_of); the
 others' choices carry token ids only, and the frontend's OutputAssembler decodes them (vLLM V1 detokenizes in its
 API server too), so the core's step does not pay for it.
@@ -41,14 +29,15 @@ import collections
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from typing import Any, Container, Iterable, Optional
 
 import msgspec
 import zmq
 
+from engine import wire
 from engine.config import EngineConfig
 from engine.platform.parent import exit_with_parent
-from engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sequence import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +45,6 @@ logger = logging.getLogger(__name__)
 _COMPILE_POLL_MS = 10  # idle but compiling: how often the loop looks for a compiled grammar
 _RANK_POLL_MS = 100  # idle under tensor parallelism: how often the loop looks for a rank that died
 FAULT_INJECTOR_ENV = "PAGEDSERVE_CORE_FAULT_INJECTOR"  # the test hook (see above)
-
-
-def encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()
-
-
-def decoder() -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder()
 
 
 def _kept(new: Any, old: Any) -> int:
@@ -83,7 +64,7 @@ class OutputDeltas:
     def __init__(self) -> None:
         self._sent: dict[str, tuple[Any, list[tuple[str, list[int], int]]]] = {}
 
-    def encode(self, outputs: list[RequestOutput]) -> list[tuple]:
+    def encode(self, outputs: list[RequestOutput]) -> list[wire.Delta]:
         items = []
         for out in outputs:
             prev = self._sent.get(out.request_id)
@@ -94,16 +75,16 @@ class OutputDeltas:
                 text, ids, num_lps = last[j] if j < len(last) else ("", [], 0)
                 keep_text, keep_ids = _kept(c.text, text), _kept(c.token_ids, ids)
                 keep_lps = min(keep_ids, num_lps) if c.logprobs is not None else 0
-                choices.append((c.index, keep_text, c.text[keep_text:], keep_ids, c.token_ids[keep_ids:],
-                                c.cumulative_logprob, keep_lps, None if c.logprobs is None else c.logprobs[keep_lps:],
-                                c.finish_reason, c.stop_reason))
+                choices.append(wire.ChoiceDelta(
+                    c.index, keep_text, c.text[keep_text:], keep_ids, c.token_ids[keep_ids:], c.cumulative_logprob,
+                    keep_lps, None if c.logprobs is None else c.logprobs[keep_lps:], c.finish_reason, c.stop_reason))
                 sent.append((c.text, c.token_ids, 0 if c.logprobs is None else len(c.logprobs)))
             if out.finished:
                 self._sent.pop(out.request_id, None)
             else:
                 self._sent[out.request_id] = (out.prompt_logprobs, sent)
-            prompt = (out.prompt, out.prompt_token_ids, out.prompt_logprobs) if resend else None
-            items.append((out.request_id, prompt, out.finished, out.error, out.metrics, choices))
+            prompt = wire.Prompt(out.prompt, out.prompt_token_ids, out.prompt_logprobs) if resend else None
+            items.append(wire.Delta(out.request_id, prompt, out.finished, out.error, out.metrics, choices))
         return items
 
     def forget(self, request_ids: Iterable[str]) -> None:
@@ -131,7 +112,8 @@ class OutputAssembler:
     engine's). A delta of a request not in `live` (aborted here while the core sent it) is dropped. decode runs on the
     step thread; forget and clear, called from the thread that aborts or resets, only queue their work for decode's
     next call, so the event loop never waits on a step's decoding (and an abort racing a decode cannot be undone by
-    it: the forget applies after).
+    it: the forget applies after). decode_text applies them first too: a request registered after a clear keeps
+    its registration.
 
     Detokenization is done here, as vLLM V1's API server does it, for every request registered with decode_text
     (all but those whose text the engine reads itself: engine/detokenizer.py engine_reads_text): the core sends
@@ -141,8 +123,7 @@ class OutputAssembler:
     the model."""
 
     def __init__(self, detokenizer: Optional[Any] = None) -> None:
-        # request id -> [(prompt, ids, prompt logprobs), each choice's [text, ids, logprobs, _Text], the metrics as
-        # sent, their RequestMetrics (converted again only when they change: thrice in a request's life)]
+        # request id -> [its wire.Prompt, each choice's [text, ids, logprobs, _Text]]
         self._requests: dict[str, list] = {}
         self._pending: collections.deque = collections.deque()  # request ids to forget; None: forget all
         self._detokenizer = detokenizer
@@ -151,9 +132,10 @@ class OutputAssembler:
 
     def decode_text(self, request_id: str, params: Any) -> None:
         """Decode this request's text here (call before its add is sent, on the thread that calls decode)."""
+        self._apply_pending()
         self._here[request_id] = (params.skip_special_tokens, params.include_stop_str_in_output)
 
-    def decode(self, items: list, live: set[str]) -> list[RequestOutput]:
+    def decode(self, items: list[wire.Delta], live: Container[str]) -> list[RequestOutput]:
         self._apply_pending()
         outputs = self._decode(items, live)
         self._apply_pending()
@@ -169,50 +151,46 @@ class OutputAssembler:
                 self._requests.pop(request_id, None)
                 self._here.pop(request_id, None)
 
-    def _decode(self, items: list, live: set[str]) -> list[RequestOutput]:
+    def _decode(self, items: list[wire.Delta], live: Container[str]) -> list[RequestOutput]:
         outputs = []
-        for request_id, prompt, finished, error, metrics, choices in items:
+        for item in items:
+            request_id = item.request_id
             if request_id not in live:
                 self._requests.pop(request_id, None)
                 self._here.pop(request_id, None)
                 continue
             here = self._here.get(request_id)
             state = self._requests.get(request_id)
-            if prompt is not None:
-                state = [tuple(prompt), state[1] if state is not None else [], None, None]
+            if item.prompt is not None:
+                state = [item.prompt, state[1] if state is not None else []]
             elif state is None:
                 continue
-            last = state[1]
+            prompt, last = state
             completions = []
-            for j, (index, keep_text, text, keep_ids, ids, cumulative, keep_lps, lps, reason, stop) in enumerate(
-                    choices):
+            for j, c in enumerate(item.choices):
                 if j == len(last):
                     last.append(["", [], [], None])
                 acc = last[j]
+                del acc[1][c.keep_ids:]
+                acc[1].extend(c.token_ids)
                 if here is None:
-                    acc[0] = (acc[0] if keep_text == len(acc[0]) else acc[0][:keep_text]) + text
-                    del acc[1][keep_ids:]
-                    acc[1].extend(ids)
+                    acc[0] = (acc[0] if c.keep_text == len(acc[0]) else acc[0][:c.keep_text]) + c.text
                 else:
-                    del acc[1][keep_ids:]
-                    acc[1].extend(ids)
-                    acc[0] = self._text(acc, keep_ids, ids, reason, here, state[0][1])
-                if lps is not None:
-                    del acc[2][keep_lps:]
-                    acc[2].extend(lps)  # (msgpack keeps the dicts' int keys)
-                completions.append(CompletionOutput(index, acc[0], list(acc[1]), cumulative,
-                                                    None if lps is None else list(acc[2]), reason, stop))
-            del last[len(choices):]
-            if finished:
+                    acc[0] = self._text(acc, c.keep_ids, c.token_ids, c.finish_reason, here, prompt.token_ids)
+                if c.logprobs is not None:
+                    del acc[2][c.keep_logprobs:]
+                    acc[2].extend(c.logprobs)  # (msgpack keeps the dicts' int keys)
+                completions.append(CompletionOutput(c.index, acc[0], list(acc[1]), c.cumulative_logprob,
+                                                    None if c.logprobs is None else list(acc[2]), c.finish_reason,
+                                                    c.stop_reason))
+            del last[len(item.choices):]
+            if item.finished:
                 self._requests.pop(request_id, None)
                 self._here.pop(request_id, None)
             else:
                 self._requests[request_id] = state
-            if metrics is not None and metrics != state[2]:
-                state[2], state[3] = metrics, msgspec.convert(metrics, RequestMetrics)
-            p, p_ids, p_lps = state[0]
-            outputs.append(RequestOutput(request_id, p, p_ids, p_lps, completions, finished, error,
-                                         None if metrics is None else state[3]))
+            outputs.append(RequestOutput(request_id, prompt.text, prompt.token_ids, prompt.logprobs, completions,
+                                         item.finished, item.error, item.metrics))
         return outputs
 
     def _text(self, acc: list, keep_ids: int, ids: list[int], reason: Optional[str], here: tuple[bool, bool],
@@ -255,7 +233,7 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, parent: int,
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(in_addr)
     outbox.connect(out_addr)
-    enc = encoder()
+    enc = wire.encoder()
     try:
         code = EngineCoreLoop(config, inbox, outbox, enc, fatal_path).run()
     except BaseException as exc:  # startup failed or the loop broke: say why, then exit non-zero
@@ -276,7 +254,7 @@ def _say_fatal(outbox, enc, reason: str, fatal_path: Optional[str]) -> None:
         except OSError:
             pass
     try:
-        outbox.send(enc.encode(("fatal", reason)))
+        outbox.send(enc.encode(wire.Fatal(reason)))
     except Exception:
         pass
 
@@ -287,23 +265,23 @@ class EngineCoreLoop:
     def __init__(self, config: EngineConfig, inbox, outbox, enc, fatal_path: Optional[str] = None) -> None:
         from engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(config)
-        self.engine.output_processor.detokenize_all = False  # the API server decodes the rest (OutputAssembler)
+        self.engine = LLMEngine(config, detokenize_all=False)  # the API server decodes the rest (OutputAssembler)
         self.inbox, self.outbox, self.enc, self.fatal_path = inbox, outbox, enc, fatal_path
         hook = os.environ.get(FAULT_INJECTOR_ENV)
         if hook:
             module, _, factory = hook.partition(":")
             self.engine.fault_injector = getattr(importlib.import_module(module), factory)(self.engine)
             logger.warning("test hook %s=%s: faults are injected into this engine core", FAULT_INJECTOR_ENV, hook)
-        self.dec = decoder()
+        self.dec = wire.decoder(wire.ToCore)
         self.deltas = OutputDeltas()
         self._grammar_pool: Optional[ThreadPoolExecutor] = None
         self._compiling: set[str] = set()  # requests whose grammar compiles in the pool (an abort takes its id out)
         self._compiled: queue.SimpleQueue = queue.SimpleQueue()  # (the add's arguments, grammar or exception)
+        self._adds = 0  # "add" messages taken (a "fail" says how many: core_client.py tells a lost request by it)
         vocab = min(len(self.engine.tokenizer), int(self.engine.hf_config.vocab_size))
-        self._send(("ready", msgspec.to_builtins(self.engine.config), vocab))
+        self._send(wire.Ready(self.engine.config, vocab))
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: wire.FromCore) -> None:
         self.outbox.send(self.enc.encode(msg), copy=False)
 
     def run(self) -> int:
@@ -333,15 +311,16 @@ class EngineCoreLoop:
                     continue
                 outputs = engine.step()
             except StepError as exc:
-                self._send(("fail", exc.stage, type(exc.cause).__name__, str(exc.cause), exc.request_ids,
-                            self.deltas.encode(exc.outputs), engine.get_stats()))
+                held = sorted(engine.request_ids() | self._compiling)
+                self._send(wire.Fail(exc.stage, wire.Error.of(exc.cause), exc.request_ids, held, self._adds,
+                                     self.deltas.encode(exc.outputs), engine.get_stats()))
                 self.deltas.forget(exc.request_ids)
                 continue
             except TensorParallelError as exc:
                 _say_fatal(self.outbox, self.enc, str(exc), self.fatal_path)
                 engine.shutdown(graceful=False)
                 return 1
-            self._send(("out", self.deltas.encode(outputs), engine.get_stats()))
+            self._send(wire.Out(self.deltas.encode(outputs), engine.get_stats()))
 
     def _add(self, args: tuple, grammar: Any) -> None:
         request_id = args[0]
@@ -349,7 +328,7 @@ class EngineCoreLoop:
             self.engine.add_request(*args, grammar=grammar)
         except Exception as exc:  # this request alone (the frontend checked its input already)
             self.engine.abort_request(request_id)  # whatever of it got into a queue
-            self._send(("refused", request_id, type(exc).__name__, str(exc)))
+            self._send(wire.Refused(request_id, wire.Error.of(exc)))
 
     def _compile(self, args: tuple) -> None:  # in the grammar thread
         try:
@@ -369,47 +348,46 @@ class EngineCoreLoop:
                 continue
             self._compiling.discard(args[0])
             if isinstance(grammar, Exception):
-                self._send(("refused", args[0], type(grammar).__name__, str(grammar)))
+                self._send(wire.Refused(args[0], wire.Error.of(grammar)))
             else:
                 self._add(args, grammar)
 
-    def _handle(self, msg: list) -> bool:
-        """Apply one message; False for "stop"."""
+    def _handle(self, msg: wire.ToCore) -> bool:
+        """Apply one message; False for Stop."""
         from engine.sampling_params import SamplingParams
 
-        kind = msg[0]
         engine = self.engine
-        if kind == "add":
-            _, request_id, prompt, token_ids, params, arrival, priority = msg
+        if isinstance(msg, wire.Add):
+            self._adds += 1
             try:
-                args = (request_id, prompt, token_ids, msgspec.convert(params, SamplingParams), arrival, priority)
-                spec = args[3].guided
-                compile_first = spec is not None and engine.structured.cached(spec) is None
-            except Exception as exc:  # this request alone (the frontend checked its input already)
-                self._send(("refused", request_id, type(exc).__name__, str(exc)))
+                params = msgspec.msgpack.decode(msg.params, type=SamplingParams)
+                args = (msg.request_id, msg.prompt, msg.prompt_token_ids, params, msg.arrival_time, msg.priority)
+                compile_first = params.guided is not None and engine.structured.cached(params.guided) is None
+            except Exception as exc:  # this request alone (params that no longer validate: a ValidationError)
+                self._send(wire.Refused(msg.request_id, wire.Error.of(exc)))
                 return True
             if compile_first:
                 if self._grammar_pool is None:
                     self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar")
-                self._compiling.add(request_id)
+                self._compiling.add(msg.request_id)
                 self._grammar_pool.submit(self._compile, args)
             else:
                 self._add(args, None)
-        elif kind == "abort":
-            self._compiling.difference_update(msg[1])
-            engine.abort_request(msg[1])
-            self.deltas.forget(msg[1])
-            self._send(("aborted", engine.get_stats()))  # the freed blocks show in /metrics without a step
-        elif kind == "reset":
+        elif isinstance(msg, wire.Abort):
+            self._compiling.difference_update(msg.request_ids)
+            engine.abort_request(msg.request_ids)
+            self.deltas.forget(msg.request_ids)
+            self._send(wire.Aborted(engine.get_stats()))
+        elif isinstance(msg, wire.Reset):
             dropped = engine.reset() + sorted(self._compiling)
             self._compiling.clear()
             self.deltas.clear()
-            self._send(("reset", dropped, engine.get_stats()))
-        elif kind == "stats":
-            self._send(("stats", engine.get_stats()))
-        elif kind == "problems":
-            self._send(("problems", engine.block_problems()))
-        elif kind == "stop":
+            self._send(wire.ResetDone(dropped, engine.get_stats()))
+        elif isinstance(msg, wire.AskStats):
+            self._send(wire.Stats(engine.get_stats()))
+        elif isinstance(msg, wire.AskProblems):
+            self._send(wire.Problems(engine.block_problems()))
+        elif isinstance(msg, wire.Stop):
             return False
         return True
 

@@ -52,7 +52,10 @@ class _StepBatch:
 class LLMEngine:
     """The synchronous engine: add requests, call step() until they finish."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, detokenize_all: bool = True) -> None:
+        """detokenize_all False: an engine core process, whose API server decodes the text of the requests the
+        engine does not read itself (engine/core_proc.py OutputAssembler); kept across reset()."""
+        self.detokenize_all = detokenize_all
         # The engine resolves its own copy (block size, max_model_len, ...): the caller's config may build others.
         self.config = config = dataclasses.replace(config)
         # Build/load the kernels before the weights: a CUDA engine without its compiled kernels refuses to
@@ -116,7 +119,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, num_device_blocks, num_cpu_blocks, sliding_window=self.model.kv_window)
         self.sampler = Sampler(eos_token_id=self.eos_token_id, seed=self.config.seed)
         self.output_processor = OutputProcessor(self.tokenizer, self.config.max_model_len, self.eos_token_id,
-                                                self.seq_counter)
+                                                self.seq_counter, self.detokenize_all)
         self._batch: Optional[_StepBatch] = None
 
     # -- requests -------------------------------------------------------------

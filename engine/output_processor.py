@@ -100,11 +100,11 @@ class OutputProcessor:
     """Applies one step's samples to a group: forks, beams, stop checks; returns the blocks to fork and free."""
 
     def __init__(self, tokenizer, max_model_len: int, eos_token_id: Optional[int],
-                 seq_counter: Iterator[int]) -> None:
+                 seq_counter: Iterator[int], detokenize_all: bool = True) -> None:
         self.detokenizer = Detokenizer(tokenizer)
         # False in an engine core process: only the requests whose text the engine reads (engine_reads_text) are
         # decoded here; the API server decodes the others' token ids (engine/core_proc.py OutputAssembler).
-        self.detokenize_all = True
+        self.detokenize_all = detokenize_all
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.seq_counter = seq_counter

@@ -43,23 +43,23 @@ async def run_job(engine: Any, job: Job) -> AsyncIterator[tuple[int, RequestOutp
         finally:
             engine.abort(request_ids)  # a no-op for a request that finished
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    unread = _Unread()
 
     async def pump(i: int) -> None:
         try:
             async for out in engine.generate(request_ids[i], prompt_token_ids=job.prompts[i], params=job.params,
                                              priority=job.priority, grammar=job.grammar):
-                queue.put_nowait((i, out))
+                unread.put(i, out)
         except Exception as exc:  # EngineDeadError, a ValueError from add_request
-            queue.put_nowait((i, exc))
+            unread.put(i, exc)
         finally:
-            queue.put_nowait((i, None))
+            unread.put(i, None)
 
     tasks = [asyncio.create_task(pump(i)) for i in range(len(job.prompts))]
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
+            i, item = await unread.get()
             if item is None:
                 remaining -= 1
             elif isinstance(item, Exception):
@@ -70,6 +70,36 @@ async def run_job(engine: Any, job: Job) -> AsyncIterator[tuple[int, RequestOutp
         for task in tasks:
             task.cancel()
         engine.abort(request_ids)  # a no-op for requests that finished
+
+
+class _Unread:
+    """What a job's prompts produced that its reader has not taken, merged as one prompt's stream merges it
+    (engine/frontend/async_engine.py _RequestStream): a RequestOutput holds all of its prompt's output so far, so
+    a newer one replaces an unread one. A slow reader of many prompts holds one output a prompt, not one a step
+    (which grew with the output's length squared). Errors, ends (None) and finished outputs are never replaced."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, list] = {}  # prompt index -> its unread items; prompts in the order they got them
+        self._ready = asyncio.Event()
+
+    def put(self, i: int, item: Union[RequestOutput, Exception, None]) -> None:
+        items = self._items.setdefault(i, [])
+        if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput) \
+                and not items[-1].finished:
+            items[-1] = item
+        else:
+            items.append(item)
+        self._ready.set()
+
+    async def get(self) -> tuple[int, Union[RequestOutput, Exception, None]]:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        i, items = next(iter(self._items.items()))
+        item = items.pop(0)
+        if not items:
+            del self._items[i]
+        return i, item
 
 
 def engine_error(exc: Exception) -> APIError:

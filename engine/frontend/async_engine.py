@@ -130,7 +130,9 @@ class AsyncLLMEngine:
         self._structured: Any = None  # the engine's StructuredOutputs once the grammar thread has built it
         self._dead: Optional[BaseException] = None
         self._resetting = False
-        self._fault_streak = 0  # steps that raised since the last one that did not (idle time between them too)
+        # steps that raised since the last one that did not (idle time between them too; a remote core's poll that
+        # no step ended within is no step)
+        self._fault_streak = 0
         self._reset_times: list[float] = []
         self._adding: set[str] = set()  # requests queued to the loop, not yet in the engine
         # Called (on the loop) when the engine stops for good; the CLI ends the process so a supervisor restarts it.
@@ -408,7 +410,6 @@ class AsyncLLMEngine:
                 ops = []
                 if not self.engine.has_unfinished_requests() and self._queue.empty():
                     await self._refresh_stats()
-                    await loop.run_in_executor(self._executor, self._maybe_trim)
                     self._parked = True  # idle: sleep until a request or abort arrives
                     ops.append(await self._queue.get())
                     self._parked = False
@@ -482,7 +483,10 @@ class AsyncLLMEngine:
             dropped = self._reset() if reset else []
             return err.outputs, self.engine.get_stats(), _Fault(err, problems, reset, dropped,
                                                                      self.engine.request_ids())
-        self._fault_streak = 0
+        if outputs is None:  # an engine core in its own process ended no step within its poll: nothing to count
+            outputs = []
+        else:
+            self._fault_streak = 0
         self._maybe_trim()
         return outputs, self.engine.get_stats(), None
 
@@ -536,8 +540,15 @@ class AsyncLLMEngine:
             self._malloc_trim(0)
 
     async def _refresh_stats(self) -> None:
-        self._stats = self.engine.get_stats()
+        """Idle: the engine's figures, asked for in the step thread (an engine core in its own process answers
+        between its steps: the event loop, /health and new connections, must not wait for a long prefill), and the
+        heap trimmed there."""
+        self._stats = await asyncio.get_running_loop().run_in_executor(self._executor, self._idle_stats)
         self.metrics.record_stats(self._stats)
+
+    def _idle_stats(self) -> EngineStats:
+        self._maybe_trim()
+        return self.engine.get_stats()
 
     def _still_wanted(self, op: tuple) -> bool:
         """On the loop: False for an add whose reader aborted before it reached the engine."""

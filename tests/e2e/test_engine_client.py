@@ -141,3 +141,32 @@ def test_steps_go_on_while_the_event_loop_is_busy_and_a_late_reader_gets_the_new
     assert len(lengths) <= 60 - len(during) + 2, (lengths, len(during))
     assert tokens == expected  # nothing lost in the merge
     assert not engine.has_unfinished_requests()
+
+
+def test_a_slow_reader_of_many_prompts_holds_one_output_a_prompt(make_llm):
+    """A request of several prompts (server/streaming.py run_job) whose reader stops reading: the outputs made
+    meanwhile are merged per prompt as one prompt's are (each holds all of its prompt's tokens so far), so the
+    reader then takes one output a prompt with every token, not one per step (which grew with the output's length
+    squared: 256 prompts of long outputs held gigabytes)."""
+    from server.job import Job, JobKind
+    from server.streaming import run_job
+
+    llm = make_llm("tiny")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    job = Job(JobKind.COMPLETION, "cmpl-slow-reader", 0, "tiny", prompts, [""] * len(prompts), params)
+
+    async def scenario():
+        front = AsyncLLMEngine(llm.engine, log_stats=False)
+        outputs = run_job(front, job)
+        first = [await outputs.__anext__()]
+        while front._streams:  # every prompt finished while the reader did not read
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # (the tasks that take each prompt's outputs run: ready ones run before a timer)
+        rest = [item async for item in outputs]
+        await front.shutdown(timeout_s=1.0)
+        return first, rest
+
+    first, rest = asyncio.run(scenario())
+    assert sorted(i for i, out in rest) == [0, 1, 2, 3], [(i, len(out.outputs[0].token_ids)) for i, out in rest]
+    assert all(out.finished and len(out.outputs[0].token_ids) == 24 for _, out in rest)

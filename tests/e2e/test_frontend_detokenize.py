@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from engine import core_proc
+from engine import core_proc, wire
 from engine.detokenizer import Detokenizer, engine_reads_text
 from engine.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ def test_text_decoded_by_the_api_server_is_the_engines(make_llm):
     want = _run(engine, requests)
 
     deltas, assembler = core_proc.OutputDeltas(), core_proc.OutputAssembler(Detokenizer(engine.tokenizer))
-    enc, dec = core_proc.encoder(), core_proc.decoder()
+    enc, dec = wire.encoder(), wire.decoder(list[wire.Delta])
     live = {request_id for request_id, _, _ in requests}
 
     def register(request_id, params):
@@ -89,3 +89,21 @@ def test_text_decoded_by_the_api_server_is_the_engines(make_llm):
     reasons = {c.finish_reason for o in finals.values() for c in o.outputs}
     assert reasons == {"stop", "length"}
     assert any(o.outputs[0].stop_reason is not None for k, o in finals.items() if k.startswith("r2-"))
+
+
+def test_an_engine_core_leaves_the_text_to_the_api_server_after_a_reset_too(make_llm):
+    """An engine core process's LLMEngine (detokenize_all=False) builds a new output processor when it resets after a
+    fault: that one too decodes no text the API server decodes (it once decoded all of it again, for good)."""
+    engine = make_llm("tiny").engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.detokenize_all = False
+    try:
+        engine.reset()
+        engine.add_request("after-reset", prompt_token_ids=PROMPTS[0], params=params)
+        last = None
+        while engine.has_unfinished_requests():
+            last = engine.step()[-1]
+    finally:
+        engine.detokenize_all = True
+        engine.reset()
+    assert len(last.outputs[0].token_ids) == 6 and last.outputs[0].text == ""

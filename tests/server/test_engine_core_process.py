@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import httpx
@@ -344,3 +345,58 @@ def test_stream_interval_sends_an_event_every_n_tokens(tiny_llama_dir, tmp_path,
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def _sender(core, errors: list, sent: list) -> threading.Thread:
+    """A thread sending aborts to the core until a send raises (as the step thread sends a request's abort)."""
+    def send():
+        try:
+            while True:
+                core.abort_request(f"gone-{sent[0]}")
+                sent[0] += 1
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _until_stuck(sent: list) -> None:
+    """Until the sender waits (its sends no longer go out: the stopped core's queue is full)."""
+    deadline, last = time.monotonic() + 60, -1
+    while sent[0] != last:
+        assert time.monotonic() < deadline, "the sends never waited"
+        last = sent[0]
+        time.sleep(0.5)
+
+
+def test_no_thread_waits_on_the_core_for_good(tiny_llama_dir):
+    """The client's socket to the core is a bound PUSH: a plain send waits while the core's queue is full, and for
+    good once the core is gone (no peer). A sender waiting on a stopped core gets EngineCoreDiedError when the core
+    is killed; a shutdown from another thread while a sender waits closes the sockets only after the sender left
+    them (it once closed a socket under a thread blocked in it). Straight on the client, no server."""
+    from engine.config import EngineConfig
+    from engine.frontend.core_client import EngineCoreDiedError, RemoteEngineCore
+
+    config = EngineConfig(model=str(tiny_llama_dir), max_model_len=64, dtype="float32", num_gpu_blocks_override=16,
+                          num_cpu_blocks_override=4)
+    for how in ("killed", "shut down"):
+        core = RemoteEngineCore.start(config)
+        errors, sent = [], [0]
+        try:
+            os.kill(core.proc.pid, signal.SIGSTOP)
+            sender = _sender(core, errors, sent)
+            _until_stuck(sent)
+            if how == "killed":
+                core.proc.kill()
+            else:
+                core.shutdown(graceful=False)
+            sender.join(10)
+            assert not sender.is_alive(), f"the sender still waits after the core was {how}"
+            assert [type(e) for e in errors] == [EngineCoreDiedError], errors
+            core.shutdown(graceful=False)
+            assert core._closed
+        finally:
+            if core.proc.is_alive():
+                core.proc.kill()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 
-from engine import core_proc
+from engine import core_proc, wire
 from engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -22,7 +22,7 @@ def _choice(index, text, ids, logprobs=None, reason=None, stop=None):
 
 
 def _wire(deltas, assembler, outputs, live):
-    enc, dec = core_proc.encoder(), core_proc.decoder()
+    enc, dec = wire.encoder(), wire.decoder(list[wire.Delta])
     return assembler.decode(dec.decode(enc.encode(deltas.encode(outputs))), live)
 
 
