@@ -54,6 +54,15 @@ def sse_events(lines: list[str]) -> list[Any]:
     return out
 
 
+def stream_events(server: ServerThread, path: str, body: dict) -> list[Any]:
+    """The events of a streamed POST (body with "stream": true), checked to end with [DONE], which is left out."""
+    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        events = sse_events(r.read().decode().splitlines())
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
 def metric(text: str, name: str, labels: Optional[str] = None) -> float:
     """One sample's value from Prometheus text (labels: a substring the label set must contain)."""
     for line in text.splitlines():

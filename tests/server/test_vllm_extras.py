@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from bad_inputs import MODEL
-from serving_harness import ServerThread, sse_events
+from serving_harness import ServerThread, stream_events as stream
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 
@@ -19,14 +19,6 @@ def post(server, path, body, status=200):
     r = httpx.post(server.base_url + path, json=body, timeout=120)
     assert r.status_code == status, r.text
     return r.json()
-
-
-def stream(server, path, body) -> list:
-    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=120) as r:
-        assert r.status_code == 200
-        events = sse_events(r.read().decode().splitlines())
-    assert events[-1] == "[DONE]"
-    return events[:-1]
 
 
 @pytest.fixture(scope="module")

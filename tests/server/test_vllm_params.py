@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from serving_harness import ServerThread, metric, sse_events
+from serving_harness import ServerThread, metric, stream_events as stream
 
 PROMPT = "The capital of France is"
 
@@ -16,14 +16,6 @@ def post(server, path, body, **kw):
     r = httpx.post(server.base_url + path, json=body, timeout=120, **kw)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def stream(server, path, body) -> list:
-    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=120) as r:
-        assert r.status_code == 200
-        events = sse_events(r.read().decode().splitlines())
-    assert events[-1] == "[DONE]"
-    return events[:-1]
 
 
 @pytest.mark.parametrize("path,body", [
