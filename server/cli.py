@@ -187,16 +187,17 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def wants_core_process(flag: Optional[bool], config: EngineConfig, torchrun: bool) -> bool:
-    """--engine-core-process as given, else on for a CUDA engine started here. Measured on an H200 host (16 cores,
-    docs/benchmarks.md "GPU (CUDA)"): the split served 1.05x / 1.37x / 1.45x the tokens of one process at 1 / 64 /
-    256 streams; on a 2-vCPU CPU machine one process is the faster at 1 and 8 streams."""
+    """--engine-core-process as given, else on for a CUDA engine started here (--device cuda or auto, with a GPU
+    torch sees). Measured on an H200 host (16 cores, docs/benchmarks.md "GPU (CUDA)"): the split served 1.05x /
+    1.37x / 1.45x the tokens of one process at 1 / 64 / 256 streams; on a 2-vCPU CPU machine one process is the
+    faster at 1 and 8 streams."""
     if flag is not None:
         return flag
     if torchrun or config.device == "cpu":
         return False
-    from engine.model_executor.loader import resolve_device
+    import torch
 
-    return resolve_device(config).type == "cuda"
+    return torch.cuda.is_available()  # without a GPU a --device cuda engine fails in this process, saying why
 
 
 def _serve_as_worker(config: EngineConfig, rank: int, world: int) -> int:
