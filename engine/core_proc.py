@@ -2,7 +2,8 @@
 reached over ZMQ with msgpack (msgspec). The API-server process drives it through RemoteEngineCore
 (engine/frontend/core_client.py), which AsyncLLMEngine uses as it uses an in-process LLMEngine.
 
-The messages, typed, are engine/wire.py's; a step's outputs travel as deltas (OutputDeltas, OutputAssembler).
+The messages, typed, are engine/wire.py's; a step's outputs travel as deltas (OutputDeltas, OutputAssembler), which
+the core's step() builds straight from its sequences (no RequestOutput is made there).
 Text: the core decodes only the requests whose text it reads itself (stop strings, beam search, best_of); the
 others' choices carry token ids only, and the frontend's OutputAssembler decodes them (vLLM V1 detokenizes in its
 API server too), so the core's step does not pay for it.
@@ -37,7 +38,7 @@ import zmq
 from engine import wire
 from engine.config import EngineConfig
 from engine.platform.parent import exit_with_parent
-from engine.sequence import CompletionOutput, RequestOutput
+from engine.sequence import FINISH_REASONS, UNFINISHED, CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -47,45 +48,52 @@ _RANK_POLL_MS = 100  # idle under tensor parallelism: how often the loop looks f
 FAULT_INJECTOR_ENV = "PAGEDSERVE_CORE_FAULT_INJECTOR"  # the test hook (see above)
 
 
-def _kept(new: Any, old: Any) -> int:
-    """How much of `old` (a str or list) starts `new`: all of it in the usual step, which only appends."""
-    n = len(old)
-    if len(new) >= n and new[:n] == old:
-        return n
-    return next((i for i, (a, b) in enumerate(zip(new, old)) if a != b), min(n, len(new)))
-
-
 class OutputDeltas:
-    """The core's side of the output deltas: each RequestOutput as what changed since the request's last one.
-
-    Per request it keeps the last text and token ids sent for each choice (the RequestOutput's own copies) until the
-    request's final output, or until forget() (an abort, a failed step's ended requests) or a reset."""
+    """The core's side of the output deltas, built straight from the sequences: what step() reports of a group
+    (LLMEngine.output_builder) is its wire.Delta, what changed since the request's last one, as OutputAssembler
+    reads it. No RequestOutput is made, copied or compared: per request it keeps each choice's Sequence and how many
+    of its token ids, logprobs and text characters went out, so a step that appended costs its new tokens, not the
+    output's length. A choice whose sequence is not the one sent before (a fork's first output; beam search's and
+    best_of's choices, chosen at the end) or whose text is shorter than what was sent goes whole (kept lengths 0).
+    The text only grows otherwise: a stop string or stop token cuts only what was held back or is new this step.
+    The choices, their text held back and their logprobs are output_processor.reported's, as to_request_output's.
+    Kept until the request's final output, or until forget() (an abort, a failed step's ended requests) or a
+    reset."""
 
     def __init__(self) -> None:
-        self._sent: dict[str, tuple[Any, list[tuple[str, list[int], int]]]] = {}
+        from engine.output_processor import reported  # (here: the API server imports this module, not torch)
 
-    def encode(self, outputs: list[RequestOutput]) -> list[wire.Delta]:
-        items = []
-        for out in outputs:
-            prev = self._sent.get(out.request_id)
-            resend = prev is None or prev[0] is not out.prompt_logprobs
-            last = prev[1] if prev is not None else []
-            choices, sent = [], []
-            for j, c in enumerate(out.outputs):
-                text, ids, num_lps = last[j] if j < len(last) else ("", [], 0)
-                keep_text, keep_ids = _kept(c.text, text), _kept(c.token_ids, ids)
-                keep_lps = min(keep_ids, num_lps) if c.logprobs is not None else 0
-                choices.append(wire.ChoiceDelta(
-                    c.index, keep_text, c.text[keep_text:], keep_ids, c.token_ids[keep_ids:], c.cumulative_logprob,
-                    keep_lps, None if c.logprobs is None else c.logprobs[keep_lps:], c.finish_reason, c.stop_reason))
-                sent.append((c.text, c.token_ids, 0 if c.logprobs is None else len(c.logprobs)))
-            if out.finished:
-                self._sent.pop(out.request_id, None)
+        self._reported = reported
+        # request id -> [its prompt logprobs as sent, each choice's [Sequence, ids, logprobs, characters] sent]
+        self._sent: dict[str, list] = {}
+
+    def build(self, group: Any) -> wire.Delta:
+        seqs, hold, keep_logprobs = self._reported(group)
+        request_id = group.request_id
+        finished = group.is_finished()
+        state = self._sent.get(request_id)
+        resend = state is None or state[0] is not group.prompt_logprobs
+        last = state[1] if state is not None else []
+        choices, sent = [], []
+        for index, seq in enumerate(seqs):
+            ids, text, status, logprobs = seq.output_token_ids, seq.output_text, seq.status, seq.output_logprobs
+            chars = max(len(text) - hold, 0) if hold and status in UNFINISHED else len(text)
+            was = last[index] if index < len(last) else None
+            if was is not None and was[0] is seq and chars >= was[3]:  # the usual step: appended only
+                _, keep_ids, keep_lps, keep_text = was
             else:
-                self._sent[out.request_id] = (out.prompt_logprobs, sent)
-            prompt = wire.Prompt(out.prompt, out.prompt_token_ids, out.prompt_logprobs) if resend else None
-            items.append(wire.Delta(out.request_id, prompt, out.finished, out.error, out.metrics, choices))
-        return items
+                was, keep_ids, keep_lps, keep_text = [seq, 0, 0, 0], 0, 0, 0
+            was[1], was[2], was[3] = len(ids), len(logprobs) if keep_logprobs else 0, chars
+            sent.append(was)
+            choices.append(wire.ChoiceDelta(
+                index, keep_text, text[keep_text:chars], keep_ids, ids[keep_ids:], seq.cumulative_logprob, keep_lps,
+                logprobs[keep_lps:] if keep_logprobs else None, FINISH_REASONS.get(status), seq.stop_reason))
+        if finished:
+            self._sent.pop(request_id, None)
+        else:
+            self._sent[request_id] = [group.prompt_logprobs, sent]
+        prompt = wire.Prompt(group.prompt, group.seqs[0].prompt_token_ids, group.prompt_logprobs) if resend else None
+        return wire.Delta(request_id, prompt, finished, group.error, group.metrics, choices)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
@@ -274,6 +282,7 @@ class EngineCoreLoop:
             logger.warning("test hook %s=%s: faults are injected into this engine core", FAULT_INJECTOR_ENV, hook)
         self.dec = wire.decoder(wire.ToCore)
         self.deltas = OutputDeltas()
+        self.engine.output_builder = self.deltas.build  # step() reports its outputs as wire.Deltas
         self._grammar_pool: Optional[ThreadPoolExecutor] = None
         self._compiling: set[str] = set()  # requests whose grammar compiles in the pool (an abort takes its id out)
         self._compiled: queue.SimpleQueue = queue.SimpleQueue()  # (the add's arguments, grammar or exception)
@@ -313,14 +322,14 @@ class EngineCoreLoop:
             except StepError as exc:
                 held = sorted(engine.request_ids() | self._compiling)
                 self._send(wire.Fail(exc.stage, wire.Error.of(exc.cause), exc.request_ids, held, self._adds,
-                                     self.deltas.encode(exc.outputs), engine.get_stats()))
+                                     exc.outputs, engine.get_stats()))
                 self.deltas.forget(exc.request_ids)
                 continue
             except TensorParallelError as exc:
                 _say_fatal(self.outbox, self.enc, str(exc), self.fatal_path)
                 engine.shutdown(graceful=False)
                 return 1
-            self._send(wire.Out(self.deltas.encode(outputs), engine.get_stats()))
+            self._send(wire.Out(outputs, engine.get_stats()))
 
     def _add(self, args: tuple, grammar: Any) -> None:
         request_id = args[0]

@@ -89,6 +89,9 @@ class LLMEngine:
         self._structured_lock = threading.Lock()
         self._build_scheduling(num_device_blocks, num_cpu_blocks)
         self.fault_injector: Optional[FaultInjector] = None  # tests: called at each stage and admission (faults.py)
+        # What step() reports of a group: None, its RequestOutput; an engine core process sets its own (its wire's
+        # delta built straight from the sequences: engine/core_proc.py OutputDeltas.build).
+        self.output_builder: Optional[Callable[[SequenceGroup], Any]] = None
         self._stage = STAGES[0]
         self._step_groups: Optional[list[SequenceGroup]] = None
         self._prompt_tokens_total = 0
@@ -218,7 +221,7 @@ class LLMEngine:
         now = time.monotonic()
         for group in out.ignored:
             group.metrics.finished_time = now
-            outputs.append(self.output_processor.to_request_output(group))
+            outputs.append(self._to_output(group))
         scheduled = [sg.group for sg in out.scheduled]
         # Until the swaps are done, a group swapped out in this step has no whole copy of its K/V anywhere.
         self._step_groups = scheduled + self._swapping_out(out)
@@ -269,7 +272,7 @@ class LLMEngine:
             if group.is_finished():
                 group.metrics.finished_time = time.monotonic()
             if self._due(group):
-                outputs.append(self.output_processor.to_request_output(group))
+                outputs.append(self._to_output(group))
         self.scheduler.free_finished_seq_groups()
         if failed:
             _, stage, exc = failed[0]
@@ -326,7 +329,7 @@ class LLMEngine:
         if finished:
             for group in finished:
                 group.metrics.finished_time = now
-        to_output = self.output_processor.to_request_output
+        to_output = self.output_builder or self.output_processor.to_request_output
         if failed:
             bad = {id(group) for group, _ in failed}
             outputs += [to_output(group) for group, _ in rows if id(group) not in bad and self._due(group)]
@@ -340,6 +343,9 @@ class LLMEngine:
             exc = failed[0][1]
             raise StepError("output_processor", exc, self._end([g for g, _ in failed]), outputs) from exc
         return outputs
+
+    def _to_output(self, group: SequenceGroup) -> Any:
+        return (self.output_builder or self.output_processor.to_request_output)(group)
 
     def _due(self, group: SequenceGroup) -> bool:
         """Whether this step reports the group (it just drew tokens): a final_only group when it ended; any other

@@ -319,22 +319,9 @@ class OutputProcessor:
 
     # ---- what the client sees ----------------------------------------------
 
-    def to_request_output(self, group: SequenceGroup) -> RequestOutput:
-        params = group.sampling_params
-        finished = group.is_finished()
-        if params.use_beam_search or params.best_of > params.n:
-            # The n chosen ones are known only at the end (vLLM streams nothing before).
-            if params.use_beam_search:
-                key = lambda s: beam_score(s, params.length_penalty)  # noqa: E731
-            else:
-                key = lambda s: s.cumulative_logprob  # noqa: E731
-            seqs = sorted(group.seqs, key=key, reverse=True)[: params.n] if finished else []
-        else:
-            seqs = group.seqs if len(group.seqs) <= params.n else group.seqs[: params.n]
-        # While a stop string could still be completing, hold its possible start
-        # back, so streamed text never shows what truncation later removes.
-        hold = max(len(s) for s in params.stop) - 1 if params.stop and not params.include_stop_str_in_output else 0
-        keep_logprobs = params.logprobs is not None
+    @staticmethod
+    def to_request_output(group: SequenceGroup) -> RequestOutput:
+        seqs, hold, keep_logprobs = reported(group)
         outputs = []
         for index, seq in enumerate(seqs):  # (positional arguments: this runs for every row of every step)
             text, status = seq.output_text, seq.status
@@ -344,4 +331,24 @@ class OutputProcessor:
                                             seq.output_logprobs.copy() if keep_logprobs else None,
                                             FINISH_REASONS.get(status), seq.stop_reason))
         return RequestOutput(group.request_id, group.prompt, group.seqs[0].prompt_token_ids, group.prompt_logprobs,
-                             outputs, finished, group.error, group.metrics)
+                             outputs, group.is_finished(), group.error, group.metrics)
+
+
+def reported(group: SequenceGroup) -> tuple[list[Sequence], int, bool]:
+    """What a group's output reports: the sequences that are its choices, in order; how many characters of an
+    unfinished one's text are held back; whether its choices carry logprobs. (to_request_output, and the engine
+    core process's deltas, engine/core_proc.py OutputDeltas, which must report the same.)"""
+    params = group.sampling_params
+    if params.use_beam_search or params.best_of > params.n:
+        # The n chosen ones are known only at the end (vLLM streams nothing before).
+        if params.use_beam_search:
+            key = lambda s: beam_score(s, params.length_penalty)  # noqa: E731
+        else:
+            key = lambda s: s.cumulative_logprob  # noqa: E731
+        seqs = sorted(group.seqs, key=key, reverse=True)[: params.n] if group.is_finished() else []
+    else:
+        seqs = group.seqs if len(group.seqs) <= params.n else group.seqs[: params.n]
+    # While a stop string could still be completing, hold its possible start
+    # back, so streamed text never shows what truncation later removes.
+    hold = max(len(s) for s in params.stop) - 1 if params.stop and not params.include_stop_str_in_output else 0
+    return seqs, hold, params.logprobs is not None
