@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 
 
 MAX_STORED_RESPONSES = 1024  # /v1/responses with store: true; the oldest is dropped past this
+# Background responses running at once: each holds a task and an engine request that no connection bounds.
+MAX_BACKGROUND_RESPONSES = 256
 # Unknown field names get a warning each, once, for the first this many names of an endpoint: clients choose the
 # names, so past it they are only counted, in a line at most every UNKNOWN_FIELDS_LOG_S seconds per endpoint.
 MAX_WARNED_FIELDS = 32
@@ -105,6 +107,7 @@ class ServerContext:
     responses: ResponseStore = field(default_factory=ResponseStore)
     # Background responses still running: id -> (their task, their StoredResponse); server/responses_background.py
     background: dict[str, tuple[Any, StoredResponse]] = field(default_factory=dict)
+    max_background: int = MAX_BACKGROUND_RESPONSES  # past it, a new background response is a 503
 
     @property
     def tokenizer(self) -> Any:

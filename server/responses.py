@@ -149,6 +149,9 @@ async def create(ctx: ServerContext, request: Request, body: ResponsesRequest) -
     if not ctx.engine.is_ready:
         raise APIError(ctx.engine.unavailable_reason, 503)
     if body.background:
+        if len(ctx.background) >= ctx.max_background:
+            raise APIError(f"{len(ctx.background)} background responses are in progress, the most this server runs "
+                           "at once; retry when one has ended.", 503)
         response = response_object(job, body, [])
         response.status = "queued"
         responses_background.start(ctx, response, messages, _generate(ctx, job, body))

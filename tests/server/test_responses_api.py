@@ -278,3 +278,25 @@ def test_a_background_response_the_engine_ends_early_fails(client, real_server):
     got, _ = _poll(client, r.id, lambda status: status not in ("queued", "in_progress"))
     assert got.status == "failed" and got.error.code == "server_error"
     assert "before its output was finished" in got.error.message
+
+
+def test_background_responses_past_the_bound_are_a_503(client, real_server):
+    """Nothing ties a background response to a connection: past ctx.max_background running at once the next is
+    refused (503, retryable), and once they end another is taken."""
+    ctx = real_server.server.config.app.state.ctx
+    bound, ctx.max_background = ctx.max_background, 1
+    try:
+        r = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=400,
+                                    temperature=0, background=True)
+        with pytest.raises(openai.InternalServerError, match="background responses are in progress") as err:
+            client.with_options(max_retries=0).responses.create(model=MODEL, input="Hi", background=True)
+        assert err.value.status_code == 503
+        client.responses.cancel(r.id)
+        _poll(client, r.id, lambda status: status == "cancelled")
+        deadline = time.monotonic() + 30
+        while ctx.background and time.monotonic() < deadline:  # the task unwinds after the cancel returns
+            time.sleep(0.02)
+        later = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, background=True)
+        _poll(client, later.id, lambda status: status not in ("queued", "in_progress"))
+    finally:
+        ctx.max_background = bound
