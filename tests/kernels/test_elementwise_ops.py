@@ -1,4 +1,5 @@
-"""rms_norm, fused_add_rms_norm, silu_and_mul and rotary_embedding equal their pure-torch references.
+"""rms_norm, fused_add_rms_norm, rms_norm_heads, silu_and_mul, gelu_tanh_and_mul and rotary_embedding equal their
+pure-torch references.
 
 Shapes cover decode batches (one thread), prefill-sized ones (the OpenMP path) and the
 strided views the model passes (q/k heads inside the fused qkv output, rows of a wider tensor).
@@ -80,6 +81,41 @@ def test_silu_and_mul_on_strided_rows():
     ops.silu_and_mul(out, x)
     torch.testing.assert_close(out, torch.nn.functional.silu(x[:, :48]) * x[:, 48:], **tolerances(torch.float32))
     assert (buffer[:, 48:] == 5.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,d", [(1, 64), (5, 37), (128, 1536)])
+def test_gelu_tanh_and_mul_matches_reference(dtype, num_tokens, d):
+    """Gemma's gated MLP: torch's F.gelu(gate, approximate="tanh") * up, with tanh through the kernels' exp."""
+    gen = torch.Generator().manual_seed(11 + d + num_tokens)
+    x = randn((num_tokens, 2 * d), dtype, gen, scale=4.0)
+    x[0, :4] = torch.tensor([-100.0, 100.0, -8.5, 0.0], dtype=dtype)  # tanh's saturated ends and zero
+    out = ops.gelu_tanh_and_mul(torch.empty(num_tokens, d, dtype=dtype), x)
+    expected = ref_ops.ref_gelu_tanh_and_mul(torch.empty_like(out), x)
+    torch.testing.assert_close(out, expected, **tolerances(dtype))
+    if dtype == torch.float32:  # float32: within a few ulps of torch's own formula
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,heads,kv_heads,head_size", [(1, 4, 2, 64), (7, 9, 3, 100), (300, 8, 2, 128)])
+def test_rms_norm_heads_in_place_on_fused_qkv(dtype, num_tokens, heads, kv_heads, head_size):
+    """Qwen3's and Gemma 3's q/k norms: each head vector of the q and k views inside the fused qkv output normed in
+    place, v untouched."""
+    gen = torch.Generator().manual_seed(num_tokens * heads + head_size)
+    qkv = randn((num_tokens, (heads + 2 * kv_heads) * head_size), dtype, gen, scale=3.0)
+    heads_view = qkv.view(num_tokens, heads + 2 * kv_heads, head_size)
+    q, k, v = heads_view[:, :heads], heads_view[:, heads:heads + kv_heads], heads_view[:, heads + kv_heads:]
+    q_weight, k_weight = randn((head_size,), dtype, gen), randn((head_size,), dtype, gen)
+    expected_q, expected_k, v_before = q.clone(), k.clone(), v.clone()
+    ref_ops.ref_rms_norm_heads(expected_q, q_weight, 1e-6)
+    ref_ops.ref_rms_norm_heads(expected_k, k_weight, 1e-6)
+    ops.rms_norm_heads(q, q_weight, 1e-6)
+    ops.rms_norm_heads(k, k_weight, 1e-6)
+    assert_matches(q, expected_q)
+    assert_matches(k, expected_k)
+    assert torch.equal(v, v_before)
 
 
 def rope_table(max_len: int, head_size: int) -> torch.Tensor:  # [max_len, head_size] float32

@@ -66,7 +66,7 @@ def check_parity(loaded, hf_model, prompts: list[list[int]], decode_steps: int, 
     batch = PagedBatch(loaded, block_size=8, num_blocks=128)
     groups = [batch.add(p, prompt_logprobs=1) for p in prompts]
     logits, prompt_logits = batch.step(groups)
-    assert logits.shape == (len(prompts), hf_model.config.vocab_size) and logits.dtype == torch.float32
+    assert logits.shape == (len(prompts), hf_model.config.get_text_config().vocab_size) and logits.dtype == torch.float32
     for g, p, row in zip(groups, prompts, logits):
         ref = hf_logits(hf_model, p)
         torch.testing.assert_close(prompt_logits[g.request_id], ref, atol=atol, rtol=rtol)
@@ -228,3 +228,20 @@ def test_default_smollm2_bfloat16_tracks_hf_float32(smollm2):
                 assert abs(math.exp(ours_top) - math.exp(ref_top)) < 0.02
         append_greedy(groups, [torch.log_softmax(r, -1) for r in logits])
         logits, _ = batch.step(groups)
+
+
+def test_gemma3_multimodal_checkpoints_text_model_matches_hf(tmp_path, default_model_dir):
+    """Gemma3ForConditionalGeneration (the 4B-27B checkpoints): its text model under language_model., served as
+    text; the vision tower and projector are skipped. Logits equal HF's multimodal model on text-only input."""
+    from transformers import Gemma3Config
+
+    text = CONFIGS["gemma3-window-8"]()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=1,
+                          image_token_index=1000, boi_token_index=1001, eoi_token_index=1002)
+    folder = save_random_model(config, tmp_path, default_model_dir)
+    _randomize_norms_and_biases(folder)
+    loaded = load_model(EngineConfig(model=str(folder), device="cpu", dtype="float32"))
+    assert loaded.hf_config.model_type == "gemma3_text"
+    check_parity(loaded, hf_eager(folder), _prompts(SMALL_VOCAB - 30, [5, 17], seed=7), decode_steps=2)

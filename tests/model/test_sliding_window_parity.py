@@ -1,6 +1,6 @@
 """Tiny random models whose sliding window is shorter than their prompts: LLM.generate's greedy tokens equal HF's past
-the window, under chunked prefill with prefix caching and under preemption by swap and by recompute. Mistral windows
-every layer, so the block manager releases the blocks the window has left behind; Gemma 2 and 3 interleave windowed
+the window, under chunked prefill with prefix caching and under preemption by swap and by recompute, for every
+family with windows (Mistral, Phi-3, Qwen3, Gemma 2 and 3). Mistral and Phi-3 window every layer, so the block manager releases the blocks the window has left behind; Gemma 2 and 3 interleave windowed
 layers with global ones (each kind with its own RoPE in Gemma 3, soft-caps in Gemma 2), so every block is kept
 while each windowed layer's attention is still bounded by its window."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen3Config
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -30,6 +30,10 @@ FAMILIES = {  # config, the window the block manager applies (None: a global lay
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}), None),
     "gemma2": (lambda: Gemma2Config(**TINY, **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0), None),
+    # Qwen3 windows its layers from max_window_layers on (layer 1 here); Phi-3 every layer, from a fused checkpoint.
+    "qwen3": (lambda: Qwen3Config(**TINY, head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
+                                  max_window_layers=1), None),
+    "phi3": (lambda: Phi3Config(**TINY, sliding_window=WINDOW, pad_token_id=0, eos_token_id=1, bos_token_id=1), WINDOW),
 }
 
 
