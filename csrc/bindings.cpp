@@ -27,9 +27,11 @@ void paged_attention(
     const torch::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq] int32
     const torch::Tensor& context_lens,  // [num_seqs] int32
     double scale,
-    int64_t sliding_window) {           // 0: the whole context
+    int64_t sliding_window,             // 0: the whole context
+    double softcap) {                   // 0: none; CPU only (engine/ops/__init__.py runs CUDA's on the reference)
   if (any_cuda({&out, &query, &key_cache, &value_cache})) {
 #ifdef PAGEDSERVE_CUDA
+    TORCH_CHECK(softcap == 0, "paged_attention: the CUDA kernel has no soft-cap");
     return pagedserve::cuda::paged_attention(out, query, key_cache, value_cache, block_tables,
                                              context_lens, scale, sliding_window);
 #else
@@ -37,7 +39,7 @@ void paged_attention(
 #endif
   }
   pagedserve::cpu::paged_attention(out, query, key_cache, value_cache, block_tables, context_lens,
-                                   scale, sliding_window);
+                                   scale, sliding_window, softcap);
 }
 
 void reshape_and_cache(
@@ -164,10 +166,11 @@ void prefill_attention(torch::Tensor& out,                 // [q_len, num_heads,
                        const torch::Tensor& value_cache,   // [num_blocks, num_kv_heads, block_size, head_size]
                        const torch::Tensor& block_table,   // [num_seq_blocks] int32
                        int64_t context_len, double scale,
-                       int64_t sliding_window) {           // 0: the whole context
+                       int64_t sliding_window,             // 0: the whole context
+                       double softcap) {                   // 0: none
   cpu_only({&out, &query, &key_cache, &value_cache}, "prefill_attention");
   pagedserve::cpu::prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale,
-                                     sliding_window);
+                                     sliding_window, softcap);
 }
 
 void argmax_logsumexp(const torch::Tensor& logits,  // [rows, vocab]
@@ -212,14 +215,14 @@ torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::
                                   const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                   const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_size, int64_t intermediate_size, double eps, double scale,
-                                  int64_t mlp_act) {
+                                  int64_t mlp_act, double softcap) {
   cpu_only({&embeddings, &positions}, "llama_decode_layers");
   for (const auto& c : cos_sins) cpu_only({&c}, "llama_decode_layers");
   for (const auto& c : key_caches) cpu_only({&c}, "llama_decode_layers");
   return pagedserve::cpu::llama_decode_layers(embeddings, positions, cos_sins, weights, key_caches, value_caches,
                                               slot_mapping, prefill_spans, prefill_tables, block_tables,
                                               context_lens, windows, num_heads,
-                                              num_kv_heads, head_size, intermediate_size, eps, scale, mlp_act);
+                                              num_kv_heads, head_size, intermediate_size, eps, scale, mlp_act, softcap);
 }
 
 // OpenMP threads for the parallel regions the CALLING thread opens from now on (the compiled ops',

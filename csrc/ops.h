@@ -30,7 +30,8 @@ void paged_attention(
     const at::Tensor& block_tables,   // [num_seqs, max_blocks_per_seq] int32
     const at::Tensor& context_lens,   // [num_seqs] int32
     double scale,
-    int64_t sliding_window);
+    int64_t sliding_window,
+    double softcap = 0.0);  // > 0: scores = tanh(scores / softcap) * softcap (Gemma 2); CPU only
 
 // Prefill attention of one sequence: its q_len new tokens, causally, over the
 // first context_len tokens of its blocks (the new ones last, after a cached
@@ -46,7 +47,8 @@ void prefill_attention(
     const at::Tensor& block_table,   // [num_seq_blocks] int32
     int64_t context_len,
     double scale,
-    int64_t sliding_window);
+    int64_t sliding_window,
+    double softcap = 0.0);  // as paged_attention's
 
 // Writes each token's key/value row into its slot of the cache.
 void reshape_and_cache(
@@ -181,7 +183,8 @@ int64_t q8_gemm_isa();
 // decode_layer_slots() tensors lie in `weights` in the order input norm, qkv, qkv bias, q norm, k norm, o, o bias,
 // attention-output norm, pre-MLP norm, gate_up, gate_up bias, down, down bias, MLP-output norm (csrc/cpu/
 // decode_layers.cpp Slot); linears as pack_small_rows weights, an absent bias or norm as an empty tensor.
-// cos_sins: each layer's RoPE table (the same tensor for layers sharing one); mlp_act: 0 silu, 1 gelu_tanh.
+// cos_sins: each layer's RoPE table (the same tensor for layers sharing one); mlp_act: 0 silu, 1 gelu_tanh;
+// softcap: the attention scores' soft-cap (Gemma 2), 0 for none.
 at::Tensor llama_decode_layers(
     const at::Tensor& embeddings,                 // [T, hidden]
     const at::Tensor& positions,                  // [T] int64
@@ -196,7 +199,7 @@ at::Tensor llama_decode_layers(
     const at::Tensor& context_lens,               // [D] int32
     const std::vector<int64_t>& windows,          // per layer: its sliding window, 0 for the whole context
     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size, double eps,
-    double scale, int64_t mlp_act);
+    double scale, int64_t mlp_act, double softcap);
 
 // How many tensors each layer has in llama_decode_layers' `weights`.
 int64_t decode_layer_slots();

@@ -43,8 +43,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& input) {
 template <int N, bool kRound>
 inline simd::Vec<N> gelu_tanh_mul(simd::Vec<N> g, simd::Vec<N> u) {
   const simd::Vec<N> inner = (g + g * g * g * 0.044715f) * 0.7978845608028654f;
-  const simd::Vec<N> tanh = 1.0f - 2.0f / (simd::exp<N>(inner * 2.0f) + 1.0f);
-  simd::Vec<N> act = g * 0.5f * (1.0f + tanh);
+  simd::Vec<N> act = g * 0.5f * (1.0f + simd::tanh<N>(inner));
   if constexpr (kRound) act = simd::round_bf16<N>(act);
   return act * u;
 }

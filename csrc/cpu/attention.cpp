@@ -193,7 +193,9 @@ void paged_attention(
     const at::Tensor& block_tables,  // [num_seqs, max_blocks_per_seq] int32
     const at::Tensor& context_lens,  // [num_seqs] int32
     double scale,
-    int64_t sliding_window) {
+    int64_t sliding_window,
+    double softcap) {
+  TORCH_CHECK(softcap >= 0, "paged_attention: softcap must be >= 0 (0: none)");
   checks::paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, sliding_window);
   const auto dtype = query.scalar_type();
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
@@ -216,7 +218,7 @@ void paged_attention(
     }
   }
   const Geometry g{num_kv_heads, num_heads / num_kv_heads, head_size, block_size,
-                   query.stride(0), query.stride(1), static_cast<float>(scale)};
+                   query.stride(0), query.stride(1), static_cast<float>(scale), static_cast<float>(softcap)};
   switch (dtype) {
     case at::kFloat:
       return dispatch<float>(out, query, key_cache, value_cache, table_ptr, max_blocks, len_ptr, begins.data(),

@@ -25,6 +25,7 @@ struct Geometry {
   int64_t num_kv_heads, group, head_size, block_size;
   int64_t q_stride_seq, q_stride_head;  // query may be a strided view
   float scale;
+  float softcap;  // > 0: scores = tanh(scores / softcap) * softcap (Gemma 2); 0: none
 };
 
 // One (sequence, kv head, context span) and where its result goes.
@@ -159,7 +160,10 @@ template <int M, int GT, typename T>
 inline void qk_tile(float* logits, int64_t padded, const T* q, const T* const (&k)[M], const Geometry& g) {
   Vec<M> s[GT];
   dots<M, GT>(s, q, g.q_stride_head, k, g.head_size);
-  for (int h = 0; h < GT; ++h) simd::store<M>(logits + h * padded, s[h] * g.scale);
+  for (int h = 0; h < GT; ++h) {
+    const Vec<M> scaled = s[h] * g.scale;
+    simd::store<M>(logits + h * padded, g.softcap > 0.f ? simd::softcap<M>(scaled, g.softcap) : scaled);
+  }
 }
 
 // logits[h][0, len) = scale * q_h . k_j for every head h of the group; lanes

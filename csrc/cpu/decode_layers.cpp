@@ -64,7 +64,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
                                const std::vector<at::Tensor>& prefill_tables, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, const std::vector<int64_t>& windows,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size,
-                               double eps, double scale, int64_t mlp_act) {
+                               double eps, double scale, int64_t mlp_act, double softcap) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(cos_sins.size()) == layers, "llama_decode_layers: a RoPE table per layer");
   TORCH_CHECK(mlp_act == kSilu || mlp_act == kGeluTanh, "llama_decode_layers: unknown MLP activation ", mlp_act);
@@ -143,14 +143,16 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     for (int64_t s = 0; s < spans; ++s) {
       const int64_t context = prefill_spans[3 * s + 2];
       if (prefill_tables[s].numel() == 0) {
-        prefill_attention(span_out[s], span_q[s], span_k[s], span_v[s], one_block, context, scale, windows[l]);
+        prefill_attention(span_out[s], span_q[s], span_k[s], span_v[s], one_block, context, scale, windows[l],
+                          softcap);
       } else {  // the blocks hold the cached prefix and, just written, this span's K/V
         prefill_attention(span_out[s], span_q[s], key_cache, value_cache, prefill_tables[s], context, scale,
-                          windows[l]);
+                          windows[l], softcap);
       }
     }
     if (decodes) {
-      paged_attention(decode_out, decode_q, key_cache, value_cache, block_tables, context_lens, scale, windows[l]);
+      paged_attention(decode_out, decode_q, key_cache, value_cache, block_tables, context_lens, scale, windows[l],
+                      softcap);
     }
     linear(x, attn_rows, w[kO], w[kOBias]);
     if (w[kAttnOutNorm].numel()) rms_norm(x, x, w[kAttnOutNorm], eps);  // in place, as the norm allows

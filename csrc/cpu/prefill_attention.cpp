@@ -53,6 +53,7 @@ struct Problem {
   int64_t block_size;
   float scale;
   int64_t window;  // keys a row sees, itself included; 0: every earlier key
+  float softcap;   // > 0: scores = tanh(scores / softcap) * softcap (Gemma 2), before the window and causal cut
   int64_t rows() const { return q_len * group; }  // per kv head: row r is token r / group, head r % group
   int64_t last_key(int64_t row) const { return ctx - q_len + row / group; }  // causal, after the cached prefix
   int64_t first_key(int64_t row) const {  // blocks wholly before row 0's first key are never read
@@ -113,7 +114,10 @@ inline void score_step(float* s, int64_t s_stride, const float* qf, const T* con
     }
   }
   for (int m = 0; m < kRows; ++m) {
-    for (int c = 0; c < kKeyVecs; ++c) simd::store<N>(s + m * s_stride + j0 + c * N, acc[m][c] * p.scale);
+    for (int c = 0; c < kKeyVecs; ++c) {
+      const Vec<N> scaled = acc[m][c] * p.scale;
+      simd::store<N>(s + m * s_stride + j0 + c * N, p.softcap > 0.f ? simd::softcap<N>(scaled, p.softcap) : scaled);
+    }
   }
 }
 
@@ -269,7 +273,8 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const 
 
 void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_table, int64_t context_len, double scale,
-                       int64_t sliding_window) {
+                       int64_t sliding_window, double softcap) {
+  TORCH_CHECK(softcap >= 0, "prefill_attention: softcap must be >= 0 (0: none)");
   TORCH_CHECK(sliding_window >= 0, "prefill_attention: sliding_window must be >= 0 (0: the whole context)");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && key_cache.dim() == 4 &&
                   key_cache.sizes() == value_cache.sizes(),
@@ -303,7 +308,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   const Layout v{value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
   const Problem p{q_len, context_len, num_kv_heads, num_heads / num_kv_heads, head_size,
                   (context_len + kKeys - 1) / kKeys * kKeys, query.stride(0), query.stride(1), out.stride(0),
-                  k, v, ids, block_size, static_cast<float>(scale), sliding_window};
+                  k, v, ids, block_size, static_cast<float>(scale), sliding_window, static_cast<float>(softcap)};
   switch (dtype) {
     case at::kFloat: return run<false, float>(out, query, key_cache, value_cache, p);
     case at::kBFloat16:

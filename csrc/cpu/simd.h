@@ -190,6 +190,18 @@ inline Vec<N> exp(Vec<N> x) {
   return p * bit_cast_f32<N>(e);
 }
 
+// tanh(x) = 1 - 2 / (exp(2x) + 1) on every lane (exp clamps, so no inf: +-1 at the ends). Absolute error ~1e-7.
+template <int N>
+inline Vec<N> tanh(Vec<N> x) {
+  return 1.0f - 2.0f / (exp<N>(x * 2.0f) + 1.0f);
+}
+
+// Gemma 2's soft-cap of attention scores: tanh(s / cap) * cap (HF's order of operations, float32).
+template <int N>
+inline Vec<N> softcap(Vec<N> s, float cap) {
+  return tanh<N>(s / cap) * cap;
+}
+
 // silu(g) * u = g / (1 + exp(-g)) * u, lane by lane (a gated MLP's activation). With kRoundSilu, silu's result is
 // rounded to bfloat16 before the multiply, as torch's F.silu(gate) * up does on bfloat16 tensors. One definition for
 // csrc/cpu/activation.cpp and the fused epilogue of csrc/cpu/small_gemm.cpp, so the two give the same bits.

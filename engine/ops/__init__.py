@@ -52,14 +52,14 @@ def paged_attention(
     softcap: Optional[float] = None,
 ) -> None:
     """Decode attention of one query token per sequence over its paged context (with a window: its last
-    sliding_window tokens, the query's own included; earlier blocks are never read); writes out. With a softcap
-    (Gemma 2's attention soft-capping) the torch reference runs: no kernel caps scores yet."""
+    sliding_window tokens, the query's own included; earlier blocks are never read); writes out. softcap (Gemma 2):
+    scores = tanh(scores / softcap) * softcap; the CPU kernel caps, CUDA runs the torch reference for it."""
     module = _compiled_for(out, query, key_cache)
-    if module is None or softcap is not None:
+    if module is None or (softcap is not None and query.is_cuda):
         return ref_paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
                                    sliding_window, softcap)
     module.paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
-                           _window_arg(sliding_window))
+                           _window_arg(sliding_window), _softcap_arg(softcap))
 
 
 def prefill_attention(
@@ -75,13 +75,13 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of one sequence's q_len new tokens over the first context_len tokens of its blocks
     (a cached prefix, then the new ones), each over its last sliding_window tokens when given; GQA without
-    K/V copies. CPU kernel; CUDA runs the reference, as does a softcap (Gemma 2)."""
+    K/V copies; softcap as paged_attention's. CPU kernel; CUDA runs the reference."""
     module = _compiled_cpu_for(query, key_cache)
-    if module is None or query.dtype not in (*_ELEMENTWISE_DTYPES, torch.float16) or softcap is not None:
+    if module is None or query.dtype not in (*_ELEMENTWISE_DTYPES, torch.float16):
         return ref_prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale,
                                      sliding_window, softcap)
     module.prefill_attention(out, query, key_cache, value_cache, block_table, int(context_len), float(scale),
-                             _window_arg(sliding_window))
+                             _window_arg(sliding_window), _softcap_arg(softcap))
     return out
 
 
@@ -92,6 +92,15 @@ def _window_arg(sliding_window: Optional[int]) -> int:
     if sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     return int(sliding_window)
+
+
+def _softcap_arg(softcap: Optional[float]) -> float:
+    """The kernels' encoding of a soft-cap: the cap, 0 for none."""
+    if softcap is None:
+        return 0.0
+    if softcap <= 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    return float(softcap)
 
 
 def reshape_and_cache(
@@ -371,6 +380,7 @@ def llama_decode_layers(
     windows: list[int],  # per layer, 0 for none
     num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int, eps: float, scale: float,
     mlp_act: int = 0,  # the MLP's activation: 0 silu, 1 gelu_tanh (llama_args.MLP_ACTS' index)
+    softcap: Optional[float] = None,  # the attention scores' soft-cap (Gemma 2)
 ) -> torch.Tensor:
     """Every decoder layer of a CPU step in one compiled call (csrc/cpu/decode_layers.cpp), for any family of the
     spec: the residual stream after the last layer, [T, hidden], bit-identical to the eager layers'. CPU, compiled
@@ -378,4 +388,4 @@ def llama_decode_layers(
     return _load().llama_decode_layers(embeddings, positions, cos_sins, weights, key_caches, value_caches,
                                        slot_mapping, prefill_spans, prefill_tables, block_tables, context_lens,
                                        windows, num_heads, num_kv_heads, head_size, intermediate_size, float(eps),
-                                       float(scale), int(mlp_act))
+                                       float(scale), int(mlp_act), _softcap_arg(softcap))

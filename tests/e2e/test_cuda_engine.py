@@ -113,3 +113,42 @@ def test_cuda_graphs_are_captured_again_after_an_engine_reset(make_llm, prompt_i
     got = token_ids(llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(ignore_eos=True),
                                  use_tqdm=False))
     assert got == want and graphs.replays > 0
+
+
+def _family_hd64(family: str):
+    """Each family's spec at head_dim 64 (a CUDA kernel size), GQA, windows shorter than the prompts."""
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    tiny = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                pad_token_id=2)
+    gemma = dict(query_pre_attn_scalar=48, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    return {
+        "qwen3": lambda: Qwen3Config(**tiny, tie_word_embeddings=False),
+        "gemma3": lambda: Gemma3TextConfig(**tiny, **gemma, final_logit_softcapping=30.0),
+        "gemma2": lambda: Gemma2Config(**tiny, **gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+        "phi3": lambda: Phi3Config(**tiny, sliding_window=8, tie_word_embeddings=False),
+    }[family]()
+
+
+@CUDA
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "qwen3"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_cuda_families_greedy_match_hf(tmp_path, default_model_dir, prompt_ids, family, enforce_eager):
+    """Every family on CUDA (the CUDA kernels where they exist, torch's ops for q/k norms, GELU-tanh and Gemma 2's
+    capped attention), with and without CUDA graphs: HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from tiny_models import save_random_model
+
+    folder = save_random_model(_family_hd64(family), tmp_path, default_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    llm = LLM(model=str(folder), device="cuda", dtype="float32", max_model_len=MAX_MODEL_LEN,
+              num_gpu_blocks_override=64, enforce_eager=enforce_eager)
+    try:
+        outputs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompt_ids, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS, eos_token_id=None)

@@ -179,3 +179,36 @@ def test_cuda_sdpa_prefill_path_applies_the_window(num_cached):
     ref = torch.empty_like(q)
     ref_ops.ref_prefill_attention(ref, q, key_cache, value_cache, tables[0], ctx, 0.125, window)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# Gemma 2's attention soft-cap (scores = tanh(scores / cap) * cap before the mask), with and without a window: the
+# CPU kernels against the reference, and the cap must change the answer. Scores are scaled up (x3 queries) so that
+# a cap of 2 bites.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_softcap_matches_reference(dtype, window):
+    query, key_cache, value_cache, tables, lens = make_case(2, 4, 64, 8, [1, 17, 100, 33], dtype, "cpu", seed=9)
+    query = query * 3
+    out, ref, uncapped = torch.empty_like(query), torch.empty_like(query), torch.empty_like(query)
+    ops.paged_attention(out, query, key_cache, value_cache, tables, lens, 0.125, window, 2.0)
+    ref_ops.ref_paged_attention(ref, query, key_cache, value_cache, tables, lens, 0.125, window, 2.0)
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+    ops.paged_attention(uncapped, query, key_cache, value_cache, tables, lens, 0.125, window)
+    assert (uncapped.float() - out.float()).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("q_len,num_cached", [(7, 0), (100, 0), (20, 33)])
+def test_prefill_softcap_matches_reference(dtype, window, q_len, num_cached):
+    if num_cached:
+        q, k, v, table, ctx = paged_case(q_len, num_cached, 2, 3, 64, 8, dtype, seed=q_len)
+    else:
+        q, k, v, table, ctx = one_block_case(q_len, 2, 3, 64, dtype, seed=q_len)
+    q = q * 3
+    out, ref, uncapped = torch.full_like(q, float("nan")), torch.empty_like(q), torch.empty_like(q)
+    ops.prefill_attention(out, q, k, v, table, ctx, 0.125, window, 2.0)
+    ref_ops.ref_prefill_attention(ref, q, k, v, table, ctx, 0.125, window, 2.0)
+    torch.testing.assert_close(out, ref, **tolerances(dtype))
+    ops.prefill_attention(uncapped, q, k, v, table, ctx, 0.125, window)
+    assert (uncapped.float() - out.float()).abs().max() > 1e-2

@@ -143,16 +143,17 @@ def test_a_prefill_longer_than_the_mlps_row_pass_equals_eager_bit_for_bit(model_
     _assert_bit_identical(compiled, eager)
 
 
-def test_gemma2_attention_softcaps_run_eagerly(tmp_path, default_model_dir):
-    """Gemma 2's attention soft-cap has no kernel in the compiled loop (the ops' reference runs it): no plan, every
-    step eager, the same tokens as --enforce-eager."""
+def test_gemma2_attention_softcaps_compiled_equal_eager_bit_for_bit(tmp_path, default_model_dir):
+    """Gemma 2's attention soft-cap in the compiled loop's attention kernels (decode, prefill, over a cached prefix
+    under chunked prefill): the same bits as the eager layers'."""
     config = Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                           attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
     folder = save_random_model(config, tmp_path, default_model_dir, seed=5)
-    outputs, plan, _ = _run(folder, "float32", enforce_eager=False)
-    eager, _, _ = _run(folder, "float32", enforce_eager=True)
-    assert plan is None
-    _assert_bit_identical(outputs, eager)
+    for kwargs in ({}, dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)):
+        outputs, plan, _ = _run(folder, "float32", enforce_eager=False, **kwargs)
+        eager, _, _ = _run(folder, "float32", enforce_eager=True, **kwargs)
+        assert plan is not None and plan.steps_run >= 19
+        _assert_bit_identical(outputs, eager)
 
 
 def test_an_engine_reset_frees_the_old_kv_cache_after_compiled_steps(model_dir):

@@ -60,7 +60,7 @@ class Attention(torch.nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size, self.scale = num_heads, num_kv_heads, head_size, scale
         self.sliding_window = sliding_window
-        self.softcap = softcap  # Gemma 2: scores = tanh(scores / softcap) * softcap (the ops' reference runs it)
+        self.softcap = softcap  # Gemma 2: scores = tanh(scores / softcap) * softcap (CPU kernels; CUDA: the reference)
 
     def forward(
         self,

@@ -55,15 +55,16 @@ class CompiledDecode:
         self.shape = (attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter)
         self.eps, self.scale = float(args.rms_norm_eps), float(attn.attn.scale)
         self.mlp_act = MLP_ACTS.index(args.mlp_act)
+        self.softcap = args.attn_softcap
         self.steps_run = 0  # forwards this plan ran (tests check that the fast path was taken)
 
     @classmethod
     def build(cls, layers: Sequence[nn.Module], args: ModelArgs) -> Optional["CompiledDecode"]:
         """The plan of the decoder's layers (LlamaBlock, any family of the spec), or None while they cannot run
         compiled: a linear not on the small-row kernel (not packed yet, or oneDNN only), tensor parallelism, not
-        the compiled CPU backend, or a spec the loop has no kernel for (Gemma 2's attention soft-capping)."""
+        the compiled CPU backend, or an MLP kind the loop has no path for."""
         if layers[0].self_attn.tp.world_size != 1 or ops.backend() is not ops.OpsBackend.COMPILED_CPU \
-                or args.attn_softcap is not None or args.mlp_kind != "dense":
+                or args.mlp_kind != "dense":
             return None
         weights, max_rows = [], None
         for layer in layers:
@@ -119,6 +120,7 @@ class CompiledDecode:
             [c[1] for c in kv_caches], meta.slot_mapping, spans, tables,
             meta.decode_block_tables if decoding else _NO_TABLES, meta.decode_context_lens if decoding else _NO_TABLE,
             self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale, self.mlp_act,
+            self.softcap,
         )
 
 
