@@ -159,15 +159,16 @@ def torch_compile_variants(dtype: torch.dtype, batch: int, context: int, reps: i
     def layers(x, positions, slots, tables, lens, kcs, vcs):
         residual = x
         x = rms_norm(x, weights[0], eps)
-        for layer in range(LAYERS):
-            w = weights[layer * 10:(layer + 1) * 10]
+        n = ops.decode_layer_slots()  # csrc/cpu/decode_layers.cpp's Slot: input norm 0, qkv 1, o 5, pre-MLP norm 8,
+        for layer in range(LAYERS):  # gate_up 9, down 11 (a Llama fills no other slot)
+            w = weights[layer * n:(layer + 1) * n]
             if layer:
                 add_rms_norm(x, residual, w[0], eps)
             qkv = small_gemm(x, w[1], (heads + 2 * kv_heads) * HEAD_DIM)
             a = attend(qkv, positions, cos_sin, kcs[layer], vcs[layer], slots, tables, lens, heads, kv_heads, scale)
-            x = small_gemm(a, w[3], hidden)
-            add_rms_norm(x, residual, w[5], eps)
-            x = small_gemm(silu_mul(small_gemm(x, w[6], 2 * inter)), w[8], hidden)
+            x = small_gemm(a, w[5], hidden)
+            add_rms_norm(x, residual, w[8], eps)
+            x = small_gemm(silu_mul(small_gemm(x, w[9], 2 * inter)), w[11], hidden)
         return residual + x
 
     x0 = model.embed(inp["ids"])
