@@ -1,8 +1,8 @@
 """The per-architecture spec of the one decoder (ModelArgs), read once from an HF config (or a GGUF's metadata through
 the same HF-config fields): the model (engine/model_executor/models/llama.py), its checkpoint loading
 (engine/model_executor/models/llama_weights.py), the compiled CPU step (compiled_decode.py) and the engine's startup
-checks read it from here. A family is its values here plus its weight-name map, never a copy of the model
-(ARCHITECTURE.md, "Models and weight formats")."""
+checks read it from here. A family is its values here plus its weight-name map, never a copy of the model (nor of
+the compiled step's C++ loop)."""
 from __future__ import annotations
 
 import math
