@@ -232,11 +232,12 @@ def _family_configs():
     }
 
 
-@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma3", "phi3"])
 def test_two_ranks_give_the_tokens_of_one_for_each_family(family, tmp_path, default_model_dir, prompt_ids):
-    """Each family's spec under TP=2 (4 heads, 2 key/value heads): Qwen3's q/k norms and Gemma 3's (whole on every
-    rank), Gemma 3's norms of the row-parallel outputs after their all-reduce, Phi-3's fused checkpoint tensors
-    split into each rank's q/k/v and gate/up rows."""
+    """The families' spec under TP=2 (4 heads, 2 key/value heads): Gemma 3's q/k norms (whole on every rank; Qwen3's
+    are the same op), its norms of the row-parallel outputs after their all-reduce, its embedding scale after the
+    vocab-parallel lookup; Phi-3's fused checkpoint tensors split into each rank's q/k/v and gate/up rows. (Qwen3
+    adds nothing a rank does differently: _family_configs keeps it for a run by hand.)"""
     from engine import LLM
     from tiny_models import save_random_model
 

@@ -37,19 +37,41 @@ ARCHITECTURES = {
 PROMPT_LENS = [1, 5, 13, 30]  # a decode batch of 4 rows, contexts crossing the 8-token window and 16-token blocks
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def model_dir(request, tmp_path_factory, default_model_dir):
+# The tests of the step's mechanics (row counts, oneDNN-only linears, an engine reset) rather than of a family's
+# arithmetic run on the Llama-family variants only: the families' spec adds nothing there, and CI time is short.
+MECHANICS = ("llama-gqa", "llama-biases", "qwen2-qkv-bias", "mistral-window")
+
+
+@pytest.fixture(scope="module")
+def saved_dirs(tmp_path_factory, default_model_dir):
+    """name -> the random checkpoint's folder, saved once per module."""
     from transformers import AutoModelForCausalLM
 
-    folder = save_random_model(ARCHITECTURES[request.param](), tmp_path_factory.mktemp(request.param),
-                               default_model_dir, seed=3)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    with torch.no_grad():  # HF initialises biases and norms to constants: make them count
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(folder))
-    return folder
+    folders = {}
+
+    def saved(name: str):
+        if name not in folders:
+            folder = save_random_model(ARCHITECTURES[name](), tmp_path_factory.mktemp(name), default_model_dir, seed=3)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+            with torch.no_grad():  # HF initialises biases and norms to constants: make them count
+                for param_name, p in model.named_parameters():
+                    if param_name.endswith("bias") or "norm" in param_name:
+                        p.add_(torch.randn_like(p) * 0.1)
+            model.save_pretrained(str(folder))
+            folders[name] = folder
+        return folders[name]
+
+    return saved
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def model_dir(request, saved_dirs):
+    return saved_dirs(request.param)
+
+
+@pytest.fixture(scope="module", params=MECHANICS)
+def mechanics_dir(request, saved_dirs):
+    return saved_dirs(request.param)
 
 
 def _prompts() -> list[list[int]]:
@@ -123,21 +145,21 @@ def test_an_mlp_width_off_the_16_column_blocks_equals_eager_bit_for_bit(tmp_path
     _assert_bit_identical(compiled, eager)
 
 
-def test_linears_left_to_onednn_run_eagerly(model_dir, monkeypatch):
+def test_linears_left_to_onednn_run_eagerly(mechanics_dir, monkeypatch):
     """PAGEDSERVE_SMALL_ROW_LINEAR=0 packs the linears for oneDNN only: no plan, every step eager, same tokens."""
-    reference, _, _ = _run(model_dir, "float32", enforce_eager=True)
+    reference, _, _ = _run(mechanics_dir, "float32", enforce_eager=True)
     monkeypatch.setenv("PAGEDSERVE_SMALL_ROW_LINEAR", "0")
-    outputs, plan, _ = _run(model_dir, "float32", enforce_eager=False)
+    outputs, plan, _ = _run(mechanics_dir, "float32", enforce_eager=False)
     assert plan is None
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
 
 
-def test_a_prefill_longer_than_the_mlps_row_pass_equals_eager_bit_for_bit(model_dir):
+def test_a_prefill_longer_than_the_mlps_row_pass_equals_eager_bit_for_bit(mechanics_dir):
     """A 600-token prefill step: the compiled MLP runs it 512 rows at a time (decode_layers.cpp's kMlpRows)."""
     rng = random.Random(2)
     prompts = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(100)] for _ in range(6)]
-    compiled, plan, _ = _run(model_dir, "float32", enforce_eager=False, prompts=prompts)
-    eager, _, _ = _run(model_dir, "float32", enforce_eager=True, prompts=prompts)
+    compiled, plan, _ = _run(mechanics_dir, "float32", enforce_eager=False, prompts=prompts)
+    eager, _, _ = _run(mechanics_dir, "float32", enforce_eager=True, prompts=prompts)
     if plan.max_rows >= 600:  # the small-row kernel serves the prefill's rows (float32 on AVX-512)
         assert plan.steps_run == 20, "the 600-token prefill step ran compiled"
     _assert_bit_identical(compiled, eager)
@@ -156,12 +178,12 @@ def test_gemma2_attention_softcaps_compiled_equal_eager_bit_for_bit(tmp_path, de
         _assert_bit_identical(outputs, eager)
 
 
-def test_an_engine_reset_frees_the_old_kv_cache_after_compiled_steps(model_dir):
+def test_an_engine_reset_frees_the_old_kv_cache_after_compiled_steps(mechanics_dir):
     """LLMEngine.reset drops the old cache before allocating the new one; the plan must not keep it alive."""
     import gc
     import weakref
 
-    _, plan, llm = _run(model_dir, "float32", enforce_eager=False)
+    _, plan, llm = _run(mechanics_dir, "float32", enforce_eager=False)
     assert plan.steps_run > 0
     old_key_cache = weakref.ref(llm.engine.cache_engine.device_cache[0][0])
     llm.engine.reset()
