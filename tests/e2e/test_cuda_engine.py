@@ -126,7 +126,8 @@ def _family_hd64(family: str):
     return {
         "qwen3": lambda: Qwen3Config(**tiny, tie_word_embeddings=False),
         "gemma3": lambda: Gemma3TextConfig(**tiny, **gemma, final_logit_softcapping=30.0),
-        "gemma2": lambda: Gemma2Config(**tiny, **gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+        "gemma2": lambda: Gemma2Config(**tiny, **gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                       initializer_range=0.5),
         "phi3": lambda: Phi3Config(**tiny, sliding_window=8, tie_word_embeddings=False),
     }[family]()
 

@@ -169,7 +169,8 @@ def test_gemma2_attention_softcaps_compiled_equal_eager_bit_for_bit(tmp_path, de
     """Gemma 2's attention soft-cap in the compiled loop's attention kernels (decode, prefill, over a cached prefix
     under chunked prefill): the same bits as the eager layers'."""
     config = Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                          initializer_range=0.5)
     folder = save_random_model(config, tmp_path, default_model_dir, seed=5)
     for kwargs in ({}, dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4)):
         outputs, plan, _ = _run(folder, "float32", enforce_eager=False, **kwargs)

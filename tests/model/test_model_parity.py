@@ -45,9 +45,11 @@ CONFIGS = {
     "gemma3-window-8": lambda: Gemma3TextConfig(**TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
                                                 layer_types=["sliding_attention", "full_attention"],
                                                 rope_parameters=GEMMA3_ROPE, final_logit_softcapping=30.0),
-    # Gemma 2: attention and final logit soft-caps (small caps, so that they bite), a windowed layer.
+    # Gemma 2: attention and final logit soft-caps, a windowed layer; weights drawn 25x wider than HF's default so
+    # that scores and logits reach the caps (tests that pass without the caps would prove nothing).
     "gemma2-softcaps": lambda: Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+                                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                            initializer_range=0.5),
     # Phi-3: the checkpoint's fused qkv_proj and gate_up_proj, a window on every layer.
     "phi3-window-8": lambda: Phi3Config(**TINY, sliding_window=8, tie_word_embeddings=False, pad_token_id=0,
                                         eos_token_id=1, bos_token_id=1),

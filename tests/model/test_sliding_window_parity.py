@@ -29,7 +29,8 @@ FAMILIES = {  # config, the window the block manager applies (None: a global lay
     "gemma3": (lambda: Gemma3TextConfig(**TINY, **GEMMA, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}), None),
-    "gemma2": (lambda: Gemma2Config(**TINY, **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0), None),
+    "gemma2": (lambda: Gemma2Config(**TINY, **GEMMA, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                    initializer_range=0.5), None),
     # Qwen3 windows its layers from max_window_layers on (layer 1 here); Phi-3 every layer, from a fused checkpoint.
     "qwen3": (lambda: Qwen3Config(**TINY, head_dim=32, use_sliding_window=True, sliding_window=WINDOW,
                                   max_window_layers=1), None),
