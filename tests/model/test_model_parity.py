@@ -247,3 +247,27 @@ def test_gemma3_multimodal_checkpoints_text_model_matches_hf(tmp_path, default_m
     loaded = load_model(EngineConfig(model=str(folder), device="cpu", dtype="float32"))
     assert loaded.hf_config.model_type == "gemma3_text"
     check_parity(loaded, hf_eager(folder), _prompts(SMALL_VOCAB - 30, [5, 17], seed=7), decode_steps=2)
+
+
+def test_gemma3_spec_from_a_config_in_the_older_form():
+    """A Gemma 3 config as GGUF metadata or transformers 4 state it (rope_local_base_freq, sliding_window_pattern, no
+    layer_types): every 6th layer global with rope_theta, the others windowed with the local base."""
+    from types import SimpleNamespace
+
+    from engine.model_executor.models.llama_args import ModelArgs
+    from engine.model_executor.models.rope import rope_inv_freq
+
+    config = SimpleNamespace(model_type="gemma3_text", vocab_size=1024, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                             rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                             sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=16,
+                             hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+    args = ModelArgs.from_hf(config)
+    assert args.layer_windows == (512,) * 5 + (None, 512)
+    assert args.layer_rope[5] == "full_attention" and args.layer_rope[0] == "sliding_attention"
+    local, _ = rope_inv_freq(config, 16, 64, "sliding_attention")
+    global_, _ = rope_inv_freq(config, 16, 64, "full_attention")
+    exponent = torch.arange(0, 16, 2).float() / 16
+    torch.testing.assert_close(local, 1.0 / 10000.0**exponent)
+    torch.testing.assert_close(global_, 1.0 / 1000000.0**exponent)
+    assert (args.norm_offset, args.embed_scale, args.mlp_act, args.attn_scale) == (1.0, 8.0, "gelu_tanh", 0.25)
