@@ -56,3 +56,20 @@ def test_mixed_linear_multiplies_like_its_dequantized_weight():
         ref = x.double() @ w.T + bias.double()
         torch.testing.assert_close(linear(x).double(), ref, atol=3e-2 * ref.abs().max().item(), rtol=0)
     assert format_of(nn.Linear(4, 4)) is None
+
+
+def test_a_quantized_head_writes_float32_logits():
+    """cpu_linear.forward_float32 (the logits) over a K-quant head: the kernel's float32 sums for a bfloat16 x, not
+    the bfloat16 result widened."""
+    from engine import ops
+    from engine.model_executor.layers.cpu_linear import forward_float32
+
+    if ops.kquant_gemm_isa() == 0:
+        pytest.skip("no compiled kquant_gemm")
+    head = nn.Linear(256, 100, bias=False)
+    attach_quantized_linear(head, [(FORMATS["Q6_K"], random_rows("Q6_K", 100, 256, 4, 1e-4))])
+    x = torch.randn(3, 256).bfloat16()
+    logits = forward_float32(head, x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, ops.kquant_gemm(torch.empty(3, 100), x, head._small_weight))
+    assert torch.equal(logits.bfloat16(), head(x))
