@@ -174,6 +174,11 @@ def forward_float32(linear: nn.Linear, x: torch.Tensor, out: Optional[torch.Tens
         if out is None:
             out = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
         return ops.q8_gemm(out, x if x.stride(-1) == 1 else x.contiguous(), small, linear.bias)
+    if (small is not None and small.dtype == torch.int8 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.shape[-1] == linear.in_features):  # GGML block formats (formats.py)
+        if out is None:
+            out = torch.empty(x.shape[0], linear.out_features, dtype=torch.float32)
+        return ops.kquant_gemm(out, x if x.stride(-1) == 1 else x.contiguous(), small, linear.bias)
     return linear(x).float()
 
 
