@@ -192,6 +192,12 @@ void q8_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& pa
   pagedserve::cpu::q8_gemm(out, x, packed, bias, isa);
 }
 
+void moe_experts(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& topk_ids,
+                 const torch::Tensor& topk_weights, const torch::Tensor& w13, const torch::Tensor& w2, int64_t inter) {
+  cpu_only({&out, &x, &topk_ids, &topk_weights, &w13, &w2}, "moe_experts");
+  pagedserve::cpu::moe_experts(out, x, topk_ids, topk_weights, w13, w2, inter);
+}
+
 torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::Tensor& positions,
                                   const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& weights,
                                   const std::vector<torch::Tensor>& key_caches,
@@ -262,6 +268,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
   m.def("q8_gemm", &q8_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"),
         py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/model_executor/layers/quant.py");
+  m.def("moe_experts", &moe_experts, release_gil(),
+        "a mixture-of-experts MLP: tokens grouped by expert, each chosen expert's packed weights read once");
   m.def("q8_gemm_isa", &pagedserve::cpu::q8_gemm_isa, "the best q8_gemm path on this CPU and build (0: none)");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");

@@ -159,6 +159,21 @@ void q8_gemm(
 // The best q8_gemm path (the isa codes above), 0 when none.
 int64_t q8_gemm_isa();
 
+// ---- mixture-of-experts MLP (CPU only; csrc/cpu/moe.cpp).
+
+// out = sum over each token's k experts of topk_weights * down(silu(gate(x)) * up(x)), the tokens grouped by
+// expert so that each chosen expert's weights are read once. w13[e] is expert e's [gate | up] [2 * inter, hidden]
+// and w2[e] its down [hidden, inter], each packed as the dense kernels read it (small_gemm's float32 / bfloat16
+// form, or q8_gemm's uint8 Q8_0 form): engine/model_executor/layers/moe.py packs them.
+void moe_experts(
+    at::Tensor& out,                  // [T, hidden] x's dtype
+    const at::Tensor& x,              // [T, hidden] float32 or bfloat16, rows contiguous
+    const at::Tensor& topk_ids,       // [T, k] int64
+    const at::Tensor& topk_weights,   // [T, k] float32
+    const at::Tensor& w13,            // [E, packed gate | up]
+    const at::Tensor& w2,             // [E, packed down]
+    int64_t inter);
+
 // ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
 // Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, as
