@@ -198,6 +198,12 @@ void moe_experts(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor
   pagedserve::cpu::moe_experts(out, x, topk_ids, topk_weights, w13, w2, inter);
 }
 
+void moe_forward(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& logits, const torch::Tensor& w13,
+                 const torch::Tensor& w2, int64_t inter, int64_t top_k, bool renormalize, bool round_weights) {
+  cpu_only({&out, &x, &logits, &w13, &w2}, "moe_forward");
+  pagedserve::cpu::moe_forward(out, x, logits, w13, w2, inter, top_k, renormalize, round_weights);
+}
+
 torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::Tensor& positions,
                                   const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& weights,
                                   const std::vector<torch::Tensor>& key_caches,
@@ -270,6 +276,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/model_executor/layers/quant.py");
   m.def("moe_experts", &moe_experts, release_gil(),
         "a mixture-of-experts MLP: tokens grouped by expert, each chosen expert's packed weights read once");
+  m.def("moe_forward", &moe_forward, release_gil(),
+        "a mixture-of-experts MLP from its router's logits: softmax, top-k, then moe_experts (out may be x)");
   m.def("q8_gemm_isa", &pagedserve::cpu::q8_gemm_isa, "the best q8_gemm path on this CPU and build (0: none)");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");

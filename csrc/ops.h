@@ -174,6 +174,18 @@ void moe_experts(
     const at::Tensor& w2,             // [E, packed down]
     int64_t inter);
 
+// A router's choice from its logits: softmax in float32, the top_k largest (the first index among equals), divided
+// by their sum when renormalize, rounded to bfloat16 when round_bf16 (HF's Qwen3-MoE in bfloat16).
+void moe_route(
+    const at::Tensor& logits,  // [T, E] float32 or bfloat16
+    int64_t top_k, bool renormalize, bool round_bf16,
+    at::Tensor& ids,           // [T, top_k] int64
+    at::Tensor& weights);      // [T, top_k] float32
+
+// moe_route over logits, then moe_experts (round_weights: to x's dtype). out may be x.
+void moe_forward(at::Tensor& out, const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13,
+                 const at::Tensor& w2, int64_t inter, int64_t top_k, bool renormalize, bool round_weights);
+
 // ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
 // Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, as

@@ -7,8 +7,12 @@
 // serve one row to a prefill's thousands) or q8_gemm + silu_and_mul (Q8_0 int8 weights: csrc/cpu/q8_gemm.cpp, its
 // panel path for many rows). The weights of all experts are stacked, each expert's in the packed form the dense
 // kernel reads (engine/model_executor/layers/moe.py packs them at load). The weighted sum is kept in float32 in
-// expert order (HF's index_add_ order) and rounded once to the activations' dtype.
+// expert order (HF's index_add_ order) and rounded once to the activations' dtype, so `out` may be `x` itself
+// (the compiled decode step's MLP writes over its input rows). moe_route is HF's router after the gate's logits
+// (softmax in float32, top-k, renormalised, rounded), moe_forward the two in one call.
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <vector>
 
@@ -58,6 +62,60 @@ void store_rows(at::Tensor& out, const float* acc, int64_t t, int64_t hidden) {
 }
 
 }  // namespace
+
+void moe_route(const at::Tensor& logits, int64_t top_k, bool renormalize, bool round_bf16, at::Tensor& ids,
+               at::Tensor& weights) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "moe_route: logits [T, E] float32 or bfloat16, rows contiguous");
+  const int64_t t = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(top_k >= 1 && top_k <= experts, "moe_route: top_k ", top_k, " of ", experts, " experts");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && ids.is_contiguous() &&
+                  weights.is_contiguous() && ids.numel() == t * top_k && weights.numel() == t * top_k,
+              "moe_route: ids [T, k] int64 and weights [T, k] float32, contiguous");
+  std::vector<float> probs(experts);
+  std::vector<char> taken(experts);
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* w = weights.data_ptr<float>();
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  for (int64_t i = 0; i < t; ++i) {
+    // softmax in float32 (HF: softmax(logits.float())), then the k largest, first index first among equals
+    float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) {
+      probs[e] = bf16 ? static_cast<float>(logits.data_ptr<c10::BFloat16>()[i * logits.stride(0) + e])
+                      : logits.data_ptr<float>()[i * logits.stride(0) + e];
+      top = std::max(top, probs[e]);
+    }
+    for (int64_t e = 0; e < experts; ++e) sum += (probs[e] = std::exp(probs[e] - top));
+    for (int64_t e = 0; e < experts; ++e) probs[e] /= sum;
+    std::fill(taken.begin(), taken.end(), 0);
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < top_k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e) {
+        if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+      }
+      taken[best] = 1;
+      id[i * top_k + j] = best;
+      w[i * top_k + j] = probs[best];
+      chosen += probs[best];
+    }
+    for (int64_t j = 0; j < top_k; ++j) {
+      float& v = w[i * top_k + j];
+      if (renormalize) v /= chosen;
+      if (round_bf16) v = static_cast<float>(c10::BFloat16(v));  // HF rounds them to the model's dtype
+    }
+  }
+}
+
+void moe_forward(at::Tensor& out, const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13,
+                 const at::Tensor& w2, int64_t inter, int64_t top_k, bool renormalize, bool round_weights) {
+  const int64_t t = x.size(0);
+  at::Tensor ids = at::empty({t, top_k}, x.options().dtype(at::kLong));
+  at::Tensor weights = at::empty({t, top_k}, x.options().dtype(at::kFloat));
+  moe_route(logits, top_k, renormalize, round_weights && x.scalar_type() == at::kBFloat16, ids, weights);
+  moe_experts(out, x, ids, weights, w13, w2, inter);
+}
 
 void moe_experts(at::Tensor& out, const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                  const at::Tensor& w13, const at::Tensor& w2, int64_t inter) {

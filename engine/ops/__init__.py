@@ -362,3 +362,14 @@ def moe_experts(out: torch.Tensor,  # [T, hidden] x's dtype
     (engine/model_executor/layers/moe.py packs them). CPU, compiled only; ref_moe is its reference."""
     _load().moe_experts(out, x, topk_ids.contiguous(), topk_weights.contiguous(), w13, w2, int(inter))
     return out
+
+
+def moe_forward(out: torch.Tensor,  # [T, hidden] x's dtype; may be x itself
+                x: torch.Tensor,  # [T, hidden] float32 or bfloat16, rows contiguous
+                logits: torch.Tensor,  # [T, E] the router's (float32 or bfloat16)
+                w13: torch.Tensor, w2: torch.Tensor, inter: int,  # as moe_experts
+                top_k: int, renormalize: bool, round_weights: bool) -> torch.Tensor:
+    """HF's router on the logits (softmax in float32, top-k, renormalised when asked, rounded to x's dtype when
+    round_weights), then moe_experts: the one call a CPU MoE layer makes, eager and compiled alike."""
+    _load().moe_forward(out, x, logits, w13, w2, int(inter), int(top_k), bool(renormalize), bool(round_weights))
+    return out

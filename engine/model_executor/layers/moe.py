@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, gated SiLU MLPs.
 
-MoEArgs reads an HF config's expert fields (None for a dense model) and says which layers are sparse (Qwen3-MoE's
-decoder_sparse_step and mlp_only_layers; Mixtral: all). MoEMLP is one layer's block:
+MoEArgs (engine/model_executor/models/moe_args.py) reads an HF config's expert fields. MoEMLP is one sparse layer's
+block:
 
 - the router (`gate`, a linear hidden -> E kept in the model's float dtype: llama.cpp keeps ffn_gate_inp in F32 in
   its quantized files too): softmax in float32, top-k, renormalised over the k chosen (Mixtral always, Qwen3-MoE
@@ -19,7 +19,6 @@ rows, down columns) and the ranks' partial sums are all-reduced, as a dense MLP'
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,37 +26,15 @@ from torch import nn
 
 from engine import ops
 from engine.distributed.group import TPGroup
+from engine.model_executor.models.moe_args import MoEArgs
 from engine.ops.reference import ref_moe
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class MoEArgs:
-    """The expert fields of an HF config."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # each expert's
-    renormalize: bool  # the k chosen weights rescaled to sum to one (Mixtral; Qwen3-MoE's norm_topk_prob)
-    round_weights: bool  # the routing weights rounded to the model's dtype before use (HF's Qwen3-MoE)
-    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
-
-    @classmethod
-    def from_hf(cls, c) -> Optional["MoEArgs"]:
-        """The config's experts, None for a dense model."""
-        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
-        if experts <= 0:
-            return None
-        model_type = getattr(c, "model_type", "")
-        layers = c.num_hidden_layers
-        if model_type == "mixtral":
-            return cls(experts, c.num_experts_per_tok, c.intermediate_size, True, False, (True,) * layers)
-        step = max(1, int(getattr(c, "decoder_sparse_step", 1) or 1))
-        dense = set(getattr(c, "mlp_only_layers", None) or ())
-        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-        return cls(experts, c.num_experts_per_tok, c.moe_intermediate_size, bool(getattr(c, "norm_topk_prob", False)),
-                   True, sparse)
+class Router(nn.Linear):
+    """The router's linear: its own type, so that the dense linears' packers (pack_linears, quantize_linears: plain
+    nn.Linear only) leave it to pack_experts, which keeps it in the model's float dtype."""
 
 
 class MoEMLP(nn.Module):
@@ -67,7 +44,7 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.tp, self.args = tp, m
         self.inter = m.intermediate_size // tp.world_size
-        self.gate = nn.Linear(hidden, m.num_experts, bias=False, dtype=dtype)  # the router, whole on every rank
+        self.gate = Router(hidden, m.num_experts, bias=False, dtype=dtype)  # the router, whole on every rank
         self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(m.num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
         # pack_experts' stacked forms: [E, packed gate | up], [E, packed down] (float or uint8 Q8_0); None: ref_moe
@@ -84,12 +61,12 @@ class MoEMLP(nn.Module):
         return ids, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
-        ids, weights = self.route(x)
-        if self.packed is not None and x.device.type == "cpu":
-            out = torch.empty_like(x)
-            ops.moe_experts(out, x if x.stride(-1) == 1 else x.contiguous(), ids, weights, *self.packed, self.inter)
+        if self.packed is not None and x.device.type == "cpu":  # the compiled decode step makes the same call
+            a, x = self.args, x if x.stride(-1) == 1 else x.contiguous()
+            out = ops.moe_forward(torch.empty_like(x), x, self.gate(x), *self.packed, self.inter, a.top_k,
+                                  a.renormalize, a.round_weights)
         else:
-            out = ref_moe(x, ids, weights, self.w13, self.w2)
+            out = ref_moe(x, *self.route(x), self.w13, self.w2)
         return self.tp.all_reduce(out)
 
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 # HF `architectures` / `model_type` names -> our class. All are the Llama family.
-_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+# Mixtral: the Llama decoder with experts for MLPs (engine/model_executor/layers/moe.py).
+_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"}
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "mixtral"}
 
 
 def get_model_class(hf_config):

@@ -35,6 +35,7 @@ from torch import nn
 from engine import ops
 from engine.model_executor.layers.attention import AttentionMetadata, KVCache
 from engine.model_executor.layers.cpu_linear import small_rows_weight
+from engine.model_executor.layers.moe import MoEMLP
 
 _NO_BIAS = torch.empty(0)
 _NO_TABLE = torch.empty(0, dtype=torch.int32)  # a prefill span without a cached prefix; no decode context lengths
@@ -51,7 +52,8 @@ class CompiledDecode:
         self.weights = weights
         self.max_rows = max_rows  # the fewest rows any linear's small-row kernel serves
         self.windows = [0 if w is None else int(w) for w in layer_windows]
-        self.shape = (attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter)
+        dense = [layer.mlp.inter for layer in layers if not isinstance(layer.mlp, MoEMLP)]
+        self.shape = (attn.heads, attn.kv_heads, attn.head_dim, dense[0] if dense else 1)  # a dense MLP's width
         self.eps, self.scale = float(rms_norm_eps), float(attn.attn.scale)
         self.steps_run = 0  # forwards this plan ran (tests check that the fast path was taken)
 
@@ -66,17 +68,18 @@ class CompiledDecode:
         weights, max_rows = [], None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            small = [small_rows_weight(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                              mlp.down_proj)]
-            if any(s is None for s in small):
+            moe = isinstance(mlp, MoEMLP)
+            mlp_linears = (mlp.gate,) if moe else (mlp.gate_up_proj, mlp.down_proj)
+            small = [small_rows_weight(linear) for linear in (attn.qkv_proj, attn.o_proj, *mlp_linears)]
+            if any(s is None for s in small) or (moe and mlp.packed is None):
                 return None  # not packed, or oneDNN only: the eager path
             rows = min(r for _, r in small)
             max_rows = rows if max_rows is None else min(max_rows, rows)
-            (qkv, _), (o, _), (gate_up, _), (down, _) = small
-            weights += [
-                layer.input_layernorm.weight, qkv, _bias(attn.qkv_proj), o, _bias(attn.o_proj),
-                layer.post_attention_layernorm.weight, gate_up, _bias(mlp.gate_up_proj), down, _bias(mlp.down_proj),
-            ]
+            (qkv, _), (o, _) = small[:2]
+            weights += [layer.input_layernorm.weight, qkv, _bias(attn.qkv_proj), o, _bias(attn.o_proj),
+                        layer.post_attention_layernorm.weight]
+            weights += _moe_slots(mlp, small[2][0]) if moe else [
+                small[2][0], _bias(mlp.gate_up_proj), small[3][0], _bias(mlp.down_proj)]
         if max_rows is None or len(weights) != len(layers) * ops.decode_layer_slots():
             return None
         return cls(layers, layer_windows, rms_norm_eps, [w.detach() for w in weights], max_rows)
@@ -116,6 +119,14 @@ class CompiledDecode:
             meta.decode_block_tables if decoding else _NO_TABLES, meta.decode_context_lens if decoding else _NO_TABLE,
             self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale,
         )
+
+
+def _moe_slots(mlp: MoEMLP, router: torch.Tensor) -> list[torch.Tensor]:
+    """A mixture-of-experts layer's four MLP slots (csrc/cpu/decode_layers.cpp moe_mlp): the router's packed weight,
+    its settings as an int64 tensor (whose dtype marks the layer), the stacked experts' gate | up and down."""
+    a = mlp.args
+    settings = torch.tensor([mlp.inter, a.top_k, a.renormalize, a.round_weights, a.num_experts], dtype=torch.int64)
+    return [router, settings, *mlp.packed]
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor:

@@ -10,6 +10,7 @@ from engine import ops
 
 from engine.model_executor.layers import cpu_linear
 from engine.model_executor.layers.attention import Attention, AttentionMetadata, KVCache
+from engine.model_executor.layers.moe import MoEMLP
 from engine.distributed.group import TPGroup
 from engine.model_executor.models.compiled_decode import CompiledDecode
 from engine.model_executor.models.llama_args import ModelArgs
@@ -125,12 +126,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaBlock(nn.Module):
     def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 sliding_window: Optional[int], tp: TPGroup) -> None:
+                 sliding_window: Optional[int], tp: TPGroup, sparse: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window, tp)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(a, dtype, tp)
+        # a mixture-of-experts model's sparse layers: the router and its experts (engine/model_executor/layers/moe.py)
+        self.mlp = MoEMLP(a.hidden_size, a.moe, dtype, tp) if sparse else LlamaMLP(a, dtype, tp)
 
     def forward(
         self,
@@ -172,7 +174,8 @@ class LlamaForCausalLM(nn.Module):
         # _weight: no random init (on the meta device torch's normal_ imports torch._dynamo and triton: +100 MiB RSS).
         self.embed_tokens = nn.Embedding(local_vocab, a.hidden_size, dtype=dtype,
                                          _weight=torch.empty(local_vocab, a.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype, w, tp) for w in a.layer_windows)
+        sparse = a.moe.sparse_layers if a.moe is not None else (False,) * a.num_layers
+        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype, w, tp, s) for w, s in zip(a.layer_windows, sparse))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(a.hidden_size, local_vocab, bias=False, dtype=dtype)
         self.tie_weights()

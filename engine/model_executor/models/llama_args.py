@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.model_executor.models.moe_args import MoEArgs
+
 
 @dataclass
 class ModelArgs:
@@ -23,6 +25,7 @@ class ModelArgs:
     mlp_bias: bool
     tie_word_embeddings: bool
     layer_windows: tuple[Optional[int], ...]  # per layer: its sliding window in tokens, None for full attention
+    moe: Optional[MoEArgs] = None  # a mixture-of-experts model's experts (which layers, how many, top-k)
 
     @classmethod
     def from_hf(cls, c) -> "ModelArgs":
@@ -44,6 +47,7 @@ class ModelArgs:
             mlp_bias=bool(getattr(c, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             layer_windows=sliding_windows(c),
+            moe=MoEArgs.from_hf(c),
         )
 
     def check_tensor_parallel(self, world_size: int) -> None:
@@ -52,6 +56,8 @@ class ModelArgs:
         sizes = {"num_attention_heads": self.num_heads, "intermediate_size": self.intermediate_size,
                  "vocab_size": self.vocab_size}
         bad = [f"{name} ({n})" for name, n in sizes.items() if n % world_size]
+        if self.moe is not None and self.moe.check_tensor_parallel(world_size):
+            bad.append(self.moe.check_tensor_parallel(world_size))
         if self.num_kv_heads % world_size and world_size % self.num_kv_heads:
             bad.insert(1, f"num_key_value_heads ({self.num_kv_heads}; or be a multiple of it)")
         if bad:

@@ -1,0 +1,85 @@
+"""Mixture-of-experts models (engine/model_executor/layers/moe.py) end to end: random-weight HF checkpoints built
+in-process (Mixtral: 4 experts, top-2), greedy tokens equal to HF transformers' (float32) on the compiled CPU step
+and the eager path, with a roomy cache, under preemption by swap (with prefix caching) and by recompute; the
+compiled step taken; int8 (Q8_0) experts compiled == eager; two tensor-parallel ranks give one rank's tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from e2e_helpers import MAX_MODEL_LEN, MAX_TOKENS, ROOMY, blocks_for, greedy, hf_greedy, token_ids
+from engine import ops
+from tiny_models import save_random_model, tiny_mixtral_config
+
+pytestmark = pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU, reason="needs the compiled CPU ops")
+
+CONFIGS = {"mixtral": tiny_mixtral_config}
+CONDITIONS = {
+    "roomy": {},
+    "swap+prefix": dict(num_gpu_blocks_override=2 * blocks_for(MAX_MODEL_LEN) + 1, preemption_mode="swap",
+                        enable_prefix_caching=True),
+    "recompute": dict(num_gpu_blocks_override=2 * blocks_for(MAX_MODEL_LEN) + 1, preemption_mode="recompute"),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory, default_model_dir):
+    return {name: save_random_model(make(), tmp_path_factory.mktemp(name), default_model_dir)
+            for name, make in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(moe_dirs, prompt_ids):
+    """HF's float32 greedy tokens per model and prompt (EOS ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, folder in moe_dirs.items():
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        out[name] = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=None) for p in prompt_ids]
+    return out
+
+
+def _run(folder, prompt_ids, **kwargs):
+    from engine import LLM
+
+    llm = LLM(model=str(folder), **{**ROOMY, **kwargs})
+    try:
+        before = llm.engine.get_stats()
+        rounds = 2 if kwargs.get("enable_prefix_caching") else 1  # the second round's prompts hit the cache
+        for _ in range(rounds):
+            outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(ignore_eos=True),
+                                use_tqdm=False)
+        stats = llm.engine.get_stats()
+        model = llm.engine.model_runner.model
+        plan = model.compiled_plan() if model.compiled_decode else None
+        return [c[0] for c in token_ids(outs)], stats, before, (plan.steps_run if plan is not None else 0), model
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("condition", sorted(CONDITIONS))
+def test_greedy_tokens_equal_hf(moe_dirs, hf_outputs, prompt_ids, name, condition):
+    kwargs = CONDITIONS[condition]
+    for eager in (False, True):
+        tokens, stats, before, compiled_steps, _ = _run(moe_dirs[name], prompt_ids, enforce_eager=eager, **kwargs)
+        assert (compiled_steps == 0) if eager else (compiled_steps >= MAX_TOKENS - 1), (eager, compiled_steps)
+        if condition != "roomy":
+            mode = kwargs["preemption_mode"]
+            assert getattr(stats, f"num_preemptions_{mode}") > getattr(before, f"num_preemptions_{mode}")
+        if kwargs.get("enable_prefix_caching"):
+            assert stats.prefix_cache_hit_rate > 0
+        assert tokens == hf_outputs[name], f"{name} {condition} enforce_eager={eager}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_int8_experts_compiled_equals_eager(moe_dirs, prompt_ids, name):
+    runs = {}
+    for eager in (False, True):
+        tokens, _, _, steps, model = _run(moe_dirs[name], prompt_ids, enforce_eager=eager, quantization="int8")
+        moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "packed")]
+        assert moe and all(m.packed[0].dtype == torch.uint8 and m.w13.numel() == 0 for m in moe)
+        assert (steps == 0) if eager else steps > 0
+        runs[eager] = tokens
+    assert runs[False] == runs[True]
