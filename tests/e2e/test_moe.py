@@ -1,5 +1,6 @@
 """Mixture-of-experts models (engine/model_executor/layers/moe.py) end to end: random-weight HF checkpoints built
-in-process (Mixtral: 4 experts, top-2), greedy tokens equal to HF transformers' (float32) on the compiled CPU step
+in-process (Mixtral: 4 experts, top-2; Qwen3-MoE: 8 experts top-2 with a dense layer, 16 experts top-8 on every
+second layer), greedy tokens equal to HF transformers' (float32) on the compiled CPU step
 and the eager path, with a roomy cache, under preemption by swap (with prefix caching) and by recompute; the
 compiled step taken; int8 (Q8_0) experts compiled == eager; two tensor-parallel ranks give one rank's tokens."""
 from __future__ import annotations
@@ -9,11 +10,17 @@ import torch
 
 from e2e_helpers import MAX_MODEL_LEN, MAX_TOKENS, ROOMY, blocks_for, greedy, hf_greedy, token_ids
 from engine import ops
-from tiny_models import save_random_model, tiny_mixtral_config
+from tiny_models import save_random_model, tiny_mixtral_config, tiny_qwen3_moe_config
 
 pytestmark = pytest.mark.skipif(ops.backend() is not ops.OpsBackend.COMPILED_CPU, reason="needs the compiled CPU ops")
 
-CONFIGS = {"mixtral": tiny_mixtral_config}
+CONFIGS = {
+    "mixtral": tiny_mixtral_config,
+    "qwen3moe-top2": tiny_qwen3_moe_config,  # layer 1 dense (mlp_only_layers), norm_topk_prob
+    # 16 experts, top-8 without renormalisation, every second layer sparse (decoder_sparse_step 2)
+    "qwen3moe-top8": lambda: tiny_qwen3_moe_config(num_experts=16, num_experts_per_tok=8, norm_topk_prob=False,
+                                                   decoder_sparse_step=2, mlp_only_layers=[], num_hidden_layers=2),
+}
 CONDITIONS = {
     "roomy": {},
     "swap+prefix": dict(num_gpu_blocks_override=2 * blocks_for(MAX_MODEL_LEN) + 1, preemption_mode="swap",
@@ -83,3 +90,16 @@ def test_int8_experts_compiled_equals_eager(moe_dirs, prompt_ids, name):
         assert (steps == 0) if eager else steps > 0
         runs[eager] = tokens
     assert runs[False] == runs[True]
+
+
+def test_two_ranks_give_the_tokens_of_one(moe_dirs, hf_outputs, prompt_ids):
+    """Each rank holds half of every expert's intermediate; the greedy tokens are one rank's (and HF's)."""
+    from engine import LLM
+
+    name = "qwen3moe-top2"
+    llm = LLM(model=str(moe_dirs[name]), tensor_parallel_size=2, **ROOMY)
+    try:
+        outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [c[0] for c in token_ids(outs)] == hf_outputs[name]
