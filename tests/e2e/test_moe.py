@@ -5,6 +5,11 @@ and the eager path, with a roomy cache, under preemption by swap (with prefix ca
 compiled step taken; int8 (Q8_0) experts compiled == eager; two tensor-parallel ranks give one rank's tokens."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -84,7 +89,7 @@ def test_greedy_tokens_equal_hf(moe_dirs, hf_outputs, prompt_ids, name, conditio
 def test_int8_experts_compiled_equals_eager(moe_dirs, prompt_ids, name):
     runs = {}
     for eager in (False, True):
-        tokens, _, _, steps, model = _run(moe_dirs[name], prompt_ids, enforce_eager=eager, quantization="int8")
+        tokens, _, _, _, model = _run(moe_dirs[name], prompt_ids, enforce_eager=eager, quantization="int8")
         moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "packed")]
         assert moe and all(m.packed[0].dtype == torch.uint8 and m.w13.numel() == 0 for m in moe)
         assert (steps == 0) if eager else steps > 0
@@ -103,3 +108,27 @@ def test_two_ranks_give_the_tokens_of_one(moe_dirs, hf_outputs, prompt_ids):
     finally:
         llm.shutdown()
     assert [c[0] for c in token_ids(outs)] == hf_outputs[name]
+
+
+LLAMA_CPP = sorted(Path.home().glob(".cache/pagedserve/llama.cpp-*/src/vendor/llama.cpp/convert_hf_to_gguf.py"))
+
+
+@pytest.mark.skipif(not LLAMA_CPP, reason="llama.cpp's converter is not in the cache (benchmarks/peers.sh builds it)")
+def test_q8_0_gguf_experts_load_natively(tmp_path, default_model_dir, prompt_ids):
+    """llama.cpp's converter's Q8_0 file of a Qwen3-MoE (qwen3moe: ffn_gate_inp, ffn_gate/up/down_exps 3-D) is
+    served from its blocks: the packed experts' bytes and the greedy tokens are `--quantization int8`'s of the
+    HF folder (gguf-py and quant.py quantize alike; the router stays float in both)."""
+    folder = save_random_model(tiny_qwen3_moe_config(mlp_only_layers=[]), tmp_path / "hf", default_model_dir)
+    gguf_file = tmp_path / "moe-q8_0.gguf"
+    converter = LLAMA_CPP[-1]
+    env = dict(os.environ, PYTHONPATH=str(converter.parent / "gguf-py"))
+    subprocess.run([sys.executable, str(converter), str(folder), "--outtype", "q8_0", "--outfile", str(gguf_file)],
+                   check=True, env=env, capture_output=True)
+    runs = {}
+    for name, kwargs in (("gguf", dict(model=str(gguf_file))), ("int8", dict(model=str(folder),
+                                                                             quantization="int8"))):
+        tokens, _, _, _, model = _run(kwargs.pop("model"), prompt_ids, **kwargs)
+        runs[name] = (tokens, [m.mlp.packed for m in model.layers])
+    assert runs["gguf"][0] == runs["int8"][0]
+    for (a13, a2), (b13, b2) in zip(runs["gguf"][1], runs["int8"][1]):
+        assert a13.dtype == torch.uint8 and torch.equal(a13, b13) and torch.equal(a2, b2)

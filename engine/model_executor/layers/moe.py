@@ -129,3 +129,30 @@ def _stack(w: torch.Tensor, packer) -> torch.Tensor:
     for e in range(w.shape[0]):
         packer(w[e])[2](buf[e])
     return buf
+
+
+@torch.no_grad()
+def attach_q8_experts(layer: MoEMLP, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
+                      down: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A GGUF's Q8_0 experts (llama.cpp's ffn_gate_exps / ffn_up_exps / ffn_down_exps: each (q int8 [E * rows, KB,
+    32], d float16 [E * rows, KB]), expert-major) packed as they are, not dequantized, into the layer's stacked
+    Q8_0 form; the router packed as pack_experts does (engine/model_executor/gguf_q8.py)."""
+    from engine.model_executor.layers import cpu_linear
+    from engine.model_executor.layers.quant import pack_q8, q8_numel
+
+    e, inter, hidden = layer.args.num_experts, layer.inter, layer.gate.in_features
+    if gate[0].shape[0] != e * inter or down[0].shape[0] != e * hidden:
+        raise ValueError(f"GGUF experts of {gate[0].shape[0]} gate and {down[0].shape[0]} down rows, the model's "
+                         f"{e} experts need {e * inter} and {e * hidden}")
+    w13 = cpu_linear.huge_page_buffer(e * q8_numel(2 * inter, hidden)).view(e, -1)
+    w2 = cpu_linear.huge_page_buffer(e * q8_numel(hidden, inter)).view(e, -1)
+    for i in range(e):
+        rows = slice(i * inter, (i + 1) * inter)
+        pack_q8(torch.cat([gate[0][rows], up[0][rows]]), torch.cat([gate[1][rows], up[1][rows]]), out=w13[i])
+        pack_q8(down[0][i * hidden:(i + 1) * hidden], down[1][i * hidden:(i + 1) * hidden], out=w2[i])
+    layer.packed = (w13, w2)
+    layer.w13 = nn.Parameter(layer.w13.new_empty(0), requires_grad=False)
+    layer.w2 = nn.Parameter(layer.w2.new_empty(0), requires_grad=False)
+    if cpu_linear.packed_linear_available() and layer.gate.weight.dtype in cpu_linear.packed_dtypes():
+        cpu_linear._pack(layer.gate)
+        layer.gate.weight = nn.Parameter(layer.gate.weight.new_empty(0), requires_grad=False)
