@@ -294,6 +294,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a mixture-of-experts MLP: tokens grouped by expert, each chosen expert's packed weights read once");
   m.def("moe_forward", &moe_forward, release_gil(),
         "a mixture-of-experts MLP from its router's logits: softmax, top-k, then moe_experts (out may be x)");
+  m.def("moe_bytes_read", &pagedserve::cpu::moe_bytes_read, py::arg("reset") = false,
+        "bytes of expert weights moe_experts has read (since the last reset)");
   m.def("q8_gemm_isa", &pagedserve::cpu::q8_gemm_isa, "the best q8_gemm path on this CPU and build (0: none)");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");

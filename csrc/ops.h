@@ -193,6 +193,9 @@ void moe_route(
     at::Tensor& ids,           // [T, top_k] int64
     at::Tensor& weights);      // [T, top_k] float32
 
+// Bytes of expert weights moe_experts has read since the last call with reset (a benchmark's counter).
+int64_t moe_bytes_read(bool reset);
+
 // moe_route over logits, then moe_experts (round_weights: to x's dtype). out may be x.
 void moe_forward(at::Tensor& out, const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13,
                  const at::Tensor& w2, int64_t inter, int64_t top_k, bool renormalize, bool round_weights);

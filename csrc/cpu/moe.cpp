@@ -11,6 +11,7 @@
 // (the compiled decode step's MLP writes over its input rows). moe_route is HF's router after the gate's logits
 // (softmax in float32, top-k, renormalised, rounded), moe_forward the two in one call.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <cstring>
@@ -25,6 +26,10 @@ namespace pagedserve {
 namespace cpu {
 
 namespace {
+
+// Bytes of expert weights the experts' GEMMs were given since the last moe_bytes_read(true): what a step streams
+// (benchmarks/profile_step.py sets it against the active parameters' bytes).
+std::atomic<int64_t> expert_bytes{0};
 
 // A linear over one expert's packed weight: int8 Q8_0 (uint8) or small_gemm's float32 / bfloat16 form.
 void expert_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
@@ -172,6 +177,7 @@ void moe_experts(at::Tensor& out, const at::Tensor& x, const at::Tensor& topk_id
       gather_rows(xe.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), hidden, rows, n);
     }
     const at::Tensor we13 = w13.select(0, e), we2 = w2.select(0, e);
+    expert_bytes.fetch_add((we13.numel() + we2.numel()) * w13.element_size(), std::memory_order_relaxed);
     // gate | up and silu(gate) * up in one pass where the path has fused tiles (float weights, AVX-512)
     if (w13.scalar_type() == at::kByte || !small_gemm_glu(ae, xe, we13, c10::nullopt, 0)) {
       if (!gate_up.defined()) gate_up = at::empty({most, 2 * inter}, opts);
@@ -191,6 +197,10 @@ void moe_experts(at::Tensor& out, const at::Tensor& x, const at::Tensor& topk_id
   } else {
     store_rows<float>(out, acc.data(), t, hidden);
   }
+}
+
+int64_t moe_bytes_read(bool reset) {
+  return reset ? expert_bytes.exchange(0) : expert_bytes.load();
 }
 
 }  // namespace cpu

@@ -404,3 +404,8 @@ def moe_forward(out: torch.Tensor,  # [T, hidden] x's dtype; may be x itself
     round_weights), then moe_experts: the one call a CPU MoE layer makes, eager and compiled alike."""
     _load().moe_forward(out, x, logits, w13, w2, int(inter), int(top_k), bool(renormalize), bool(round_weights))
     return out
+
+
+def moe_bytes_read(reset: bool = False) -> int:
+    """Bytes of expert weights ops.moe_experts has read since the last reset (benchmarks/profile_step.py)."""
+    return int(_load().moe_bytes_read(bool(reset)))
