@@ -1,6 +1,6 @@
 """Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, gated SiLU MLPs.
 
-MoEArgs (engine/model_executor/models/moe_args.py) reads an HF config's expert fields. MoEMLP is one sparse layer's
+MoEArgs (engine/model_executor/layers/moe_args.py) reads an HF config's expert fields. MoEMLP is one sparse layer's
 block:
 
 - the router (`gate`, a linear hidden -> E kept in the model's float dtype: llama.cpp keeps ffn_gate_inp in F32 in
@@ -26,7 +26,7 @@ from torch import nn
 
 from engine import ops
 from engine.distributed.group import TPGroup
-from engine.model_executor.models.moe_args import MoEArgs
+from engine.model_executor.layers.moe_args import MoEArgs
 from engine.ops.reference import ref_moe
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from engine.model_executor.models.moe_args import MoEArgs
+from engine.model_executor.layers.moe_args import MoEArgs
 
 # HF model_type -> its family's spec reader below; the model_type of Gemma 3's text model inside a multimodal
 # checkpoint is gemma3_text (engine/model_executor/models/__init__.py text_config).
