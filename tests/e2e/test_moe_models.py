@@ -89,7 +89,7 @@ def test_greedy_tokens_equal_hf(moe_dirs, hf_outputs, prompt_ids, name, conditio
 def test_int8_experts_compiled_equals_eager(moe_dirs, prompt_ids, name):
     runs = {}
     for eager in (False, True):
-        tokens, _, _, _, model = _run(moe_dirs[name], prompt_ids, enforce_eager=eager, quantization="int8")
+        tokens, _, _, steps, model = _run(moe_dirs[name], prompt_ids, enforce_eager=eager, quantization="int8")
         moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "packed")]
         assert moe and all(m.packed[0].dtype == torch.uint8 and m.w13.numel() == 0 for m in moe)
         assert (steps == 0) if eager else steps > 0
