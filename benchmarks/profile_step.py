@@ -294,7 +294,8 @@ def report_moe_bytes(moe: dict, expert_bytes_per_step: float, step_s: float, bat
     active = moe["dense"] + moe["layers"] * moe["top_k"] * moe["expert"]
     read = moe["dense"] + expert_bytes_per_step
     print(f"  weights read a step: {read / 2**20:.0f} MiB ({expert_bytes_per_step / 2**20:.0f} MiB of experts, "
-          f"{expert_bytes_per_step / moe['expert'] / moe['layers']:.1f} experts a layer), {read / step_s / 1e9:.1f} GB/s; "
+          f"{expert_bytes_per_step / moe['expert'] / moe['layers']:.1f} experts a layer), "
+          f"{read / step_s / 1e9:.1f} GB/s; "
           f"per token {read / batch / 2**20:.0f} MiB against the active parameters' {active / 2**20:.0f} MiB "
           f"({read / batch / active:.2f}x)")
 

@@ -34,7 +34,8 @@ from engine.model_executor.layers.quant import (COLS, QK, Q8_0_BLOCK_BYTES, atta
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2", "qwen3moe")  # llama.cpp architectures whose tensors map onto engine/model_executor/models/llama.py
+# llama.cpp architectures whose tensors map onto engine/model_executor/models/llama.py
+ARCHS = ("llama", "qwen2", "qwen3moe")
 _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -263,7 +264,8 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
         targets += [(attn.qkv_proj, [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]),
                     (attn.o_proj, [p + "self_attn.o_proj"])]
         if hasattr(mlp, "gate_up_proj"):  # else a mixture of experts: moe.attach_q8_experts below
-            targets += [(mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"]), (mlp.down_proj, [p + "mlp.down_proj"])]
+            targets += [(mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                        (mlp.down_proj, [p + "mlp.down_proj"])]
         else:
             mlp.w13 = nn.Parameter(mlp.w13.new_empty(0), requires_grad=False)
             mlp.w2 = nn.Parameter(mlp.w2.new_empty(0), requires_grad=False)

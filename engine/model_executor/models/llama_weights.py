@@ -134,7 +134,8 @@ def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterab
         rows = tensor.shape[0]
         params[name][offset : offset + rows].copy_(tensor)
         rows_loaded[name] += rows
-    missing = [n for n, p in params.items() if rows_loaded[n] != (p.shape[0] * p.shape[1] if p.dim() == 3 else p.shape[0])]
+    expected = {n: p.shape[0] * p.shape[1] if p.dim() == 3 else p.shape[0] for n, p in params.items()}  # experts: rows
+    missing = [n for n in params if rows_loaded[n] != expected[n]]
     if missing:
         raise ValueError(f"checkpoint is missing or duplicates tensors for {len(missing)} params, e.g. {missing[:3]}.")
 
@@ -189,8 +190,8 @@ def _checkpoint_shapes(a: ModelArgs) -> Iterable[tuple[str, tuple[int, ...]]]:
         if a.moe is not None and a.moe.sparse_layers[i]:
             yield f"{mlp}gate.weight", (a.moe.num_experts, h)
             for e in range(a.moe.num_experts):
-                m_inter = a.moe.intermediate_size
-                for part, shape in (("gate_proj", (m_inter, h)), ("up_proj", (m_inter, h)), ("down_proj", (h, m_inter))):
+                m = a.moe.intermediate_size
+                for part, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
                     yield f"{mlp}experts.{e}.{part}.weight", shape
             continue
         for part, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
