@@ -10,6 +10,7 @@
 #   ISA=avx2 DTYPES=float32 bash benchmarks/peers.sh  # an AVX2-only CPU's code paths, on an AVX-512 machine
 #   DTYPES="bfloat16 q8_0" bash benchmarks/peers.sh    # int8: both serve the same Q8_0 GGUF (pagedserve natively)
 #   MODEL=llama1b DTYPES="bfloat16 q8_0" bash benchmarks/peers.sh  # the random 1.17B Llama (memory-bound decode)
+#   MODEL=qwen3moe DTYPES=q8_0 SWEEP=1,8 bash benchmarks/peers.sh  # a random A3B-like Qwen3-MoE (issue 55)
 #
 # llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
 # GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
@@ -20,6 +21,8 @@
 # each point runs N pairs (llama.cpp, then pagedserve, back to back) and the report gives the median of the N
 # pairs' ratios, and each pair's ratio, instead of one pair's.
 #
+# MODEL=qwen3moe: a random-weight Qwen3-MoE at A3B-like proportions (benchmarks/bench_model.py --arch qwen3moe: hidden
+# 2048, 24 layers, 32 experts of intermediate 768, 8 active, 32/4 heads; 4.05B parameters, ~4.3 GB as Q8_0).
 # MODEL=llama1b: a random-weight Llama at 1B shapes (benchmarks/bench_model.py: hidden 2048, 16 layers, 32/8 heads,
 # MLP 8192, SmolLM2's tokenizer, 1.17B parameters), built in-process once into $CACHE/models/bench-llama-1.17b,
 # instead of the 135M default model. DTYPES q8_0: llama.cpp's converter writes a Q8_0 GGUF (--outtype q8_0);
@@ -52,7 +55,8 @@ PS_Q8_DTYPE=${PS_Q8_DTYPE:-bfloat16}
 case $MODEL in
     smollm2) GGUF_PREFIX=model ;;
     llama1b) GGUF_PREFIX=llama1b ;;
-    *) echo "MODEL=$MODEL: expected smollm2 or llama1b" >&2; exit 2 ;;
+    qwen3moe) GGUF_PREFIX=qwen3moe-a3b ;;
+    *) echo "MODEL=$MODEL: expected smollm2, llama1b or qwen3moe" >&2; exit 2 ;;
 esac
 case $ISA in
     native) BUILD=$LLAMA/build; GGML_ISA=(-DGGML_NATIVE=ON) ;;
@@ -80,6 +84,7 @@ model_dir() {
     case $MODEL in
         smollm2) "$PY" -c 'from engine.model_executor.loader import default_model_path; print(default_model_path())' ;;
         llama1b) nice "$PY" benchmarks/bench_model.py "$CACHE/models/bench-llama-1.17b" ;;
+        qwen3moe) nice "$PY" benchmarks/bench_model.py --arch qwen3moe "$CACHE/models/bench-qwen3moe-a3b" ;;
     esac
 }
 # pagedserve's flags for one dtype: the HF folder in that dtype, or (q8_0) the Q8_0 GGUF served natively.

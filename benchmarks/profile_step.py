@@ -230,11 +230,18 @@ def main() -> None:
         return compare_eager(engine, args)
 
     timer.enabled = True
+    moe = moe_weight_bytes(engine.model_runner.model)
+    if moe is not None:
+        from engine import ops
+
+        ops.moe_bytes_read(reset=True)
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     wall = time.perf_counter() - start
     timer.enabled = False
+    if moe is not None:
+        report_moe_bytes(moe, ops.moe_bytes_read(reset=True) / args.steps, wall / args.steps, args.batch)
 
     step_ms = wall / args.steps * 1000
     rows = {stage: timer.totals[stage] / args.steps * 1000 for stage in STAGES}
@@ -264,6 +271,33 @@ def main() -> None:
         Path(args.output_json).write_text(json.dumps(
             {"batch": args.batch, "input_len": args.input_len, "threads": torch.get_num_threads(),
              "step_ms": step_ms, "stages_ms": rows, "non_forward_pct": 100 * overhead / step_ms}, indent=2))
+
+
+def moe_weight_bytes(model) -> "dict | None":
+    """A mixture of experts' weight bytes a decode step reads: every packed weight but the experts' (attention, dense
+    MLPs, routers, the head), one expert's (gate | up and down), the sparse layers and their top-k; None for a dense
+    model (or experts not packed)."""
+    from engine.model_executor.layers.moe import MoEMLP
+
+    sparse = [m for m in model.modules() if isinstance(m, MoEMLP) and m.packed is not None]
+    if not sparse:
+        return None
+    dense = sum(m._small_weight.nbytes for m in model.modules()
+                if getattr(m, "_small_weight", None) is not None and not isinstance(m, torch.nn.Embedding))
+    expert = (sparse[0].packed[0][0].nbytes + sparse[0].packed[1][0].nbytes)
+    return {"dense": dense, "expert": expert, "layers": len(sparse), "top_k": sparse[0].args.top_k}
+
+
+def report_moe_bytes(moe: dict, expert_bytes_per_step: float, step_s: float, batch: int) -> None:
+    """Bytes a decode step read per token (the dense weights once a step, the experts' as the fused op counted them)
+    against the active parameters' bytes per token (the dense weights and top_k experts a layer)."""
+    active = moe["dense"] + moe["layers"] * moe["top_k"] * moe["expert"]
+    read = moe["dense"] + expert_bytes_per_step
+    print(f"  weights read a step: {read / 2**20:.0f} MiB ({expert_bytes_per_step / 2**20:.0f} MiB of experts, "
+          f"{expert_bytes_per_step / moe['expert'] / moe['layers']:.1f} experts a layer), "
+          f"{read / step_s / 1e9:.1f} GB/s; "
+          f"per token {read / batch / 2**20:.0f} MiB against the active parameters' {active / 2**20:.0f} MiB "
+          f"({read / batch / active:.2f}x)")
 
 
 def compare_eager(engine, args) -> None:

@@ -211,6 +211,18 @@ void kquant_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor
   pagedserve::cpu::kquant_gemm(out, x, blob, bias, isa);
 }
 
+void moe_experts(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& topk_ids,
+                 const torch::Tensor& topk_weights, const torch::Tensor& w13, const torch::Tensor& w2, int64_t inter) {
+  cpu_only({&out, &x, &topk_ids, &topk_weights, &w13, &w2}, "moe_experts");
+  pagedserve::cpu::moe_experts(out, x, topk_ids, topk_weights, w13, w2, inter);
+}
+
+void moe_forward(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& logits, const torch::Tensor& w13,
+                 const torch::Tensor& w2, int64_t inter, int64_t top_k, bool renormalize, bool round_weights) {
+  cpu_only({&out, &x, &logits, &w13, &w2}, "moe_forward");
+  pagedserve::cpu::moe_forward(out, x, logits, w13, w2, inter, top_k, renormalize, round_weights);
+}
+
 torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::Tensor& positions,
                                   const std::vector<torch::Tensor>& cos_sins,
                                   const std::vector<torch::Tensor>& weights,
@@ -287,6 +299,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
   m.def("q8_gemm", &q8_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"),
         py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/model_executor/layers/quant.py");
+  m.def("moe_experts", &moe_experts, release_gil(),
+        "a mixture-of-experts MLP: tokens grouped by expert, each chosen expert's packed weights read once");
+  m.def("moe_forward", &moe_forward, release_gil(),
+        "a mixture-of-experts MLP from its router's logits: softmax, top-k, then moe_experts (out may be x)");
+  m.def("moe_bytes_read", &pagedserve::cpu::moe_bytes_read, py::arg("reset") = false,
+        "bytes of expert weights moe_experts has read (since the last reset)");
   m.def("q8_gemm_isa", &pagedserve::cpu::q8_gemm_isa, "the best q8_gemm path on this CPU and build (0: none)");
   m.def("kquant_gemm", &kquant_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("blob"), py::arg("bias"),
         py::arg("isa") = 0, "out = x @ W^T (+ bias) over GGML block formats packed by engine/model_executor/layers/formats.py");

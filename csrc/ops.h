@@ -185,6 +185,36 @@ void kquant_gemm(
 // The best kquant_gemm path (the isa codes above; 1 when only plain C++).
 int64_t kquant_gemm_isa();
 
+// ---- mixture-of-experts MLP (CPU only; csrc/cpu/moe.cpp).
+
+// out = sum over each token's k experts of topk_weights * down(silu(gate(x)) * up(x)), the tokens grouped by
+// expert so that each chosen expert's weights are read once. w13[e] is expert e's [gate | up] [2 * inter, hidden]
+// and w2[e] its down [hidden, inter], each packed as the dense kernels read it (small_gemm's float32 / bfloat16
+// form, or q8_gemm's uint8 Q8_0 form): engine/model_executor/layers/moe.py packs them.
+void moe_experts(
+    at::Tensor& out,                  // [T, hidden] x's dtype
+    const at::Tensor& x,              // [T, hidden] float32 or bfloat16, rows contiguous
+    const at::Tensor& topk_ids,       // [T, k] int64
+    const at::Tensor& topk_weights,   // [T, k] float32
+    const at::Tensor& w13,            // [E, packed gate | up]
+    const at::Tensor& w2,             // [E, packed down]
+    int64_t inter);
+
+// A router's choice from its logits: softmax in float32, the top_k largest (the first index among equals), divided
+// by their sum when renormalize, rounded to bfloat16 when round_bf16 (HF's Qwen3-MoE in bfloat16).
+void moe_route(
+    const at::Tensor& logits,  // [T, E] float32 or bfloat16
+    int64_t top_k, bool renormalize, bool round_bf16,
+    at::Tensor& ids,           // [T, top_k] int64
+    at::Tensor& weights);      // [T, top_k] float32
+
+// Bytes of expert weights moe_experts has read since the last call with reset (a benchmark's counter).
+int64_t moe_bytes_read(bool reset);
+
+// moe_route over logits, then moe_experts (round_weights: to x's dtype). out may be x.
+void moe_forward(at::Tensor& out, const at::Tensor& x, const at::Tensor& logits, const at::Tensor& w13,
+                 const at::Tensor& w2, int64_t inter, int64_t top_k, bool renormalize, bool round_weights);
+
 // ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
 // Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, as

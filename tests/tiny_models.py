@@ -55,3 +55,32 @@ def load_default_tokenizer():
         return AutoTokenizer.from_pretrained(converted)
     gguf = default_gguf_path()  # reading only the tokenizer from the GGUF takes seconds, no conversion
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def tiny_mixtral_config(**overrides):
+    """A 2-layer Mixtral: 4 experts of intermediate 48 (not whole 16-column blocks: the unfused gate/up path),
+    top-2, GQA 4/2 heads, hidden 64."""
+    from transformers import MixtralConfig
+
+    fields = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False, sliding_window=None,
+    )
+    fields.update(overrides)
+    return MixtralConfig(**fields)
+
+
+def tiny_qwen3_moe_config(**overrides):
+    """A 3-layer Qwen3-MoE: 8 experts of intermediate 32, top-2 renormalised (norm_topk_prob), layer 1 dense
+    (mlp_only_layers), q/k norms, head_dim 16, hidden 64."""
+    from transformers import Qwen3MoeConfig
+
+    fields = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return Qwen3MoeConfig(**fields)

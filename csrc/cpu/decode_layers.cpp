@@ -10,7 +10,8 @@
 // One difference in the calls, not in the bits: the MLP's gate/up linear and its activation run as one fused
 // kernel (small_gemm_glu, whose epilogue computes silu_and_mul's arithmetic) where the CPU path has one.
 // Every linear is a small-row GEMM over its pack_small_rows weight, or an int8 one over Q8_0 weights (q8_gemm,
-// engine/model_executor/layers/quant.py). A step may hold prefill spans (prompts, or chunks of them) before its decode tokens, as the
+// engine/model_executor/layers/quant.py); a mixture-of-experts layer's MLP is its router and moe_forward
+// (moe_mlp). A step may hold prefill spans (prompts, or chunks of them) before its decode tokens, as the
 // eager step does.
 #include <algorithm>
 
@@ -53,6 +54,20 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at:
   } else {
     small_gemm(out, x, w, bias_of(bias), 0);
   }
+}
+
+// A mixture-of-experts layer's MLP slots (engine/model_executor/models/compiled_decode.py): kGateUp the router's
+// packed weight, kGateUpBias int64 {intermediate, top_k, renormalize, round_weights, experts} (its dtype marks the
+// layer), kDown / kDownBias the stacked experts' gate | up and down (csrc/cpu/moe.cpp). In place on x's rows, as
+// the eager MoEMLP's router linear and ops.moe_forward compute them.
+void moe_mlp(at::Tensor& x_rows, const at::Tensor* w, at::Tensor& router_logits, int64_t mlp_rows) {
+  const int64_t* cfg = w[kGateUpBias].data_ptr<int64_t>();
+  if (!router_logits.defined() || router_logits.size(1) != cfg[4]) {
+    router_logits = at::empty({mlp_rows, cfg[4]}, x_rows.options());
+  }
+  at::Tensor logits = router_logits.narrow(0, 0, x_rows.size(0));
+  small_gemm(logits, x_rows, w[kGateUp], c10::nullopt, 0);  // the router stays float (moe.py)
+  moe_forward(x_rows, x_rows, logits, w[kDown], w[kDownBias], cfg[0], cfg[1], cfg[2] != 0, cfg[3] != 0);
 }
 
 }  // namespace
@@ -107,6 +122,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
   const int64_t mlp_rows = std::min(t, kMlpRows);
   at::Tensor gate_up;  // [mlp_rows, 2 * intermediate_size], made only where small_gemm_glu declines
   at::Tensor act = at::empty({mlp_rows, intermediate_size}, opts);
+  at::Tensor router_logits;  // [mlp_rows, experts], made at a mixture-of-experts model's first sparse layer
   // Strided views of qkv, as the eager model takes them.
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_size});
   const at::Tensor q = qk.narrow(1, 0, num_heads);
@@ -163,6 +179,10 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
     for (int64_t r = 0; r < t; r += mlp_rows) {  // x's rows r.. are read by gate_up before down overwrites them
       const int64_t n = std::min(mlp_rows, t - r);
       at::Tensor x_rows = x.narrow(0, r, n), act_rows = act.narrow(0, 0, n);
+      if (w[kGateUpBias].scalar_type() == at::kLong) {  // a mixture-of-experts layer (moe_slots)
+        moe_mlp(x_rows, w, router_logits, mlp_rows);
+        continue;
+      }
       // gate_up and its activation in one pass where the path has fused tiles (the same bits as the two calls)
       if (mlp_act != kSilu || w[kGateUp].scalar_type() == at::kByte ||  // GELU or quantized weights: no fused tiles
           w[kGateUp].scalar_type() == at::kChar ||

@@ -32,6 +32,9 @@ _FIELDS = {
     "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
+# A mixture of experts' keys (llama.cpp's qwen3moe, and a llama file with experts: Mixtral).
+_EXPERT_FIELDS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                  "expert_feed_forward_length": "moe_intermediate_size", "attention.key_length": "head_dim"}
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
 # What the config class (LlamaConfig, MistralConfig, Qwen2Config) gives a field the file does not state.
 _DEFAULTS = {
@@ -40,6 +43,10 @@ _DEFAULTS = {
     "mistral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1,
                     eos_token_id=2, sliding_window=4096),
     "qwen2": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, use_sliding_window=False),
+    # llama.cpp's qwen3moe always renormalises the chosen experts' weights (norm_topk_prob), every layer sparse
+    "qwen3_moe": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False),
+    "mixtral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None),
 }
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 CACHE_FORMAT = 1  # bump when what a cache entry holds changes
@@ -87,13 +94,21 @@ def gguf_config(path: Path) -> Optional[GGUFConfig]:
     rope scaling keys are not read."""
     meta, names = read_metadata(path)
     arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
+    if arch not in ("llama", "qwen2", "qwen3moe"):
         return None
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
+    if arch == "llama" and meta.get("llama.expert_count"):
+        model_type = "mixtral"
+    model_type = "qwen3_moe" if arch == "qwen3moe" else model_type
     fields: dict[str, Any] = dict(_DEFAULTS[model_type])
     for key, field in _FIELDS.items():
         if f"{arch}.{key}" in meta and not (arch == "qwen2" and field == "head_dim"):  # transformers skips it
             fields[field] = meta[f"{arch}.{key}"]
+    for key, field in _EXPERT_FIELDS.items():
+        if f"{arch}.{key}" in meta:
+            fields[field] = meta[f"{arch}.{key}"]
+    if model_type == "mixtral":  # Mixtral's names: the experts' width is its intermediate_size
+        fields["num_local_experts"] = fields.pop("num_experts")
     for field, key in _TOKEN_IDS.items():
         if f"tokenizer.ggml.{key}_token_id" in meta:
             fields[field] = meta[f"tokenizer.ggml.{key}_token_id"]
@@ -106,7 +121,8 @@ def gguf_config(path: Path) -> Optional[GGUFConfig]:
     if model_type != "qwen2":
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     fields["rope_parameters"] = {"rope_theta": float(fields.pop("rope_theta")), "rope_type": "default"}
-    return GGUFConfig(model_type=model_type, architectures=None, hidden_act="silu",
+    archs = {"qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"]}.get(model_type)
+    return GGUFConfig(model_type=model_type, architectures=archs, hidden_act="silu",
                       tie_word_embeddings="output.weight" not in names, dtype=None, **fields)
 
 

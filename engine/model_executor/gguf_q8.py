@@ -34,16 +34,21 @@ from engine.model_executor.layers.quant import (COLS, QK, Q8_0_BLOCK_BYTES, atta
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2")  # llama.cpp architectures whose tensors map onto engine/model_executor/models/llama.py
+# llama.cpp architectures whose tensors map onto engine/model_executor/models/llama.py
+ARCHS = ("llama", "qwen2", "qwen3moe")
 _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    # a mixture of experts: the router, and every expert's gate / up / down as one 3-D tensor [E, rows, K]
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 READ_CHUNK_BYTES = 4 << 20  # a Q8_0 tensor is read and packed this many bytes at a time, into one buffer
-_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps",
+                 "ffn_up_exps", "ffn_down_exps")
 
 
 class _Info(NamedTuple):
@@ -210,7 +215,10 @@ def _map_q8(path: Path, info: _Info) -> tuple[torch.Tensor, Callable[[], None]]:
 def _q8_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's bytes (34 a block: float16 d, 32 int8 q) as views of them, no copy: (q int8 [N, K / 32, 32],
     d float16 [N, K / 32])."""
-    n, k = shape
+    *lead, k = shape  # a mixture of experts' [E, rows, K]: E * rows rows
+    n = 1
+    for size in lead:
+        n *= size
     blocks = raw.view(n, k // 32, 34)
     return blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1)
 
@@ -226,7 +234,8 @@ def _float_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iter
     with open(path, "rb") as f:
         for info in infos:
             name = hf_name(info.name)
-            if name is None or info.kind == "Q8_0" or len(info.shape) != 1:
+            router = name is not None and name.endswith(".mlp.gate.weight")  # 2-D, kept float (F32) by llama.cpp
+            if name is None or info.kind == "Q8_0" or (len(info.shape) != 1 and not router):
                 continue
             if info.kind not in dtypes:
                 raise ValueError(f"GGUF tensor {info.name} is {info.kind}: a 1-D tensor must be F32, F16 or BF16")
@@ -253,8 +262,13 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         targets += [(attn.qkv_proj, [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]),
-                    (attn.o_proj, [p + "self_attn.o_proj"]), (mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"]),
-                    (mlp.down_proj, [p + "mlp.down_proj"])]
+                    (attn.o_proj, [p + "self_attn.o_proj"])]
+        if hasattr(mlp, "gate_up_proj"):  # else a mixture of experts: moe.attach_q8_experts below
+            targets += [(mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                        (mlp.down_proj, [p + "mlp.down_proj"])]
+        else:
+            mlp.w13 = nn.Parameter(mlp.w13.new_empty(0), requires_grad=False)
+            mlp.w2 = nn.Parameter(mlp.w2.new_empty(0), requires_grad=False)
     tied = "lm_head.weight" not in by_hf
     targets.append((model.lm_head, ["model.embed_tokens" if tied else "lm_head"]))
     for module in [m for m, _ in targets] + [model.embed_tokens]:
@@ -316,6 +330,13 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
         for module, names in targets:
             attach_q8_linear(module, pack_module(names, module.out_features, module.in_features))
             _trim_heap()  # each module's transient copies back to the OS: the load's peak stays near the weights
+        for i, layer in enumerate(layers):
+            if not hasattr(layer.mlp, "gate_up_proj"):
+                from engine.model_executor.layers.moe import attach_q8_experts
+
+                p = f"model.layers.{i}.mlp.experts."
+                attach_q8_experts(layer.mlp, *(blocks(p + part) for part in ("gate_proj", "up_proj", "down_proj")))
+                _trim_heap()
         if tied:
             attach_q8_embedding(model.embed_tokens, model.lm_head._small_weight, dtype)
         elif by_hf.get("model.embed_tokens.weight") is not None and by_hf["model.embed_tokens.weight"].kind == "Q8_0":

@@ -311,6 +311,10 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
         quantize_linears_fp8(model)
     if pack_cpu_linears and device.type == "cpu":
         pack_linears(model)
+    if device.type == "cpu" and (pack_cpu_linears or quantization == "int8"):
+        from engine.model_executor.layers.moe import pack_experts
+
+        pack_experts(model, quantized=quantization == "int8")  # a mixture of experts' stacked experts
     if hasattr(model, "compiled_decode"):
         model.compiled_decode = not config.enforce_eager
     logger.info("loaded %s (%s, %s, %s) in %.1f s", model_path, fmt.value, device, dtype, time.monotonic() - start)

@@ -410,3 +410,33 @@ def llama_decode_layers(
                                        slot_mapping, prefill_spans, prefill_tables, block_tables, context_lens,
                                        windows, num_heads, num_kv_heads, head_size, intermediate_size, float(eps),
                                        float(scale), int(mlp_act), _softcap_arg(softcap))
+
+
+def moe_experts(out: torch.Tensor,  # [T, hidden] x's dtype
+                x: torch.Tensor,  # [T, hidden] float32 or bfloat16, rows contiguous
+                topk_ids: torch.Tensor,  # [T, k] int64
+                topk_weights: torch.Tensor,  # [T, k] float32
+                w13: torch.Tensor,  # [E, packed [gate | up] of [2 * inter, hidden]] (small-row float or Q8_0 uint8)
+                w2: torch.Tensor,  # [E, packed down of [hidden, inter]], w13's dtype
+                inter: int) -> torch.Tensor:
+    """A mixture-of-experts MLP (csrc/cpu/moe.cpp): sum over each token's k experts of its weight times the expert's
+    down(silu(gate) * up), the tokens grouped by expert so each chosen expert's packed weights are read once
+    (engine/model_executor/layers/moe.py packs them). CPU, compiled only; ref_moe is its reference."""
+    _load().moe_experts(out, x, topk_ids.contiguous(), topk_weights.contiguous(), w13, w2, int(inter))
+    return out
+
+
+def moe_forward(out: torch.Tensor,  # [T, hidden] x's dtype; may be x itself
+                x: torch.Tensor,  # [T, hidden] float32 or bfloat16, rows contiguous
+                logits: torch.Tensor,  # [T, E] the router's (float32 or bfloat16)
+                w13: torch.Tensor, w2: torch.Tensor, inter: int,  # as moe_experts
+                top_k: int, renormalize: bool, round_weights: bool) -> torch.Tensor:
+    """HF's router on the logits (softmax in float32, top-k, renormalised when asked, rounded to x's dtype when
+    round_weights), then moe_experts: the one call a CPU MoE layer makes, eager and compiled alike."""
+    _load().moe_forward(out, x, logits, w13, w2, int(inter), int(top_k), bool(renormalize), bool(round_weights))
+    return out
+
+
+def moe_bytes_read(reset: bool = False) -> int:
+    """Bytes of expert weights ops.moe_experts has read since the last reset (benchmarks/profile_step.py)."""
+    return int(_load().moe_bytes_read(bool(reset)))

@@ -246,3 +246,22 @@ def ref_swap_blocks(
     for s, d in _as_mapping(block_mapping).tolist():
         for src, dst in zip(srcs, dsts, strict=True):
             dst[d].copy_(src[s])
+
+
+def ref_moe(x: torch.Tensor,  # [T, hidden]
+            topk_ids: torch.Tensor,  # [T, k] int64
+            topk_weights: torch.Tensor,  # [T, k] float32
+            w13: torch.Tensor,  # [E, 2 * inter, hidden]: each expert's gate rows, then its up rows
+            w2: torch.Tensor) -> torch.Tensor:  # [E, hidden, inter]
+    """A mixture-of-experts MLP as HF's Qwen3-MoE / Mixtral experts compute it: for each expert some token chose,
+    in expert order, down(silu(gate) * up) of its tokens times their weights, summed into the output (in x's
+    dtype). Any device: the CUDA path and ops.moe_experts' oracle."""
+    out = torch.zeros_like(x)
+    inter = w13.shape[1] // 2
+    for e in torch.unique(topk_ids).tolist():  # ascending: HF's expert_hit order
+        token, slot = torch.where(topk_ids == e)
+        h = torch.nn.functional.linear(x[token], w13[e])  # [n, 2 * inter]
+        act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        y = torch.nn.functional.linear(act, w2[e]) * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out

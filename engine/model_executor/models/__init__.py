@@ -3,10 +3,12 @@ per-architecture spec (models/llama_args.py)."""
 from __future__ import annotations
 
 # HF `architectures` / `model_type` names -> our class, the one decoder. Gemma3ForConditionalGeneration: the text
-# model inside the multimodal checkpoint (text_config below; its weights under language_model.).
+# model inside the multimodal checkpoint (text_config below; its weights under language_model.). Mixtral and
+# Qwen3-MoE: experts for MLPs (mlp_kind "experts", engine/model_executor/layers/moe.py).
 _ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM"}
-_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}
+                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
+                  "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe"}
 
 
 def text_config(hf_config):

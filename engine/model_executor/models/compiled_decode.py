@@ -35,6 +35,7 @@ from torch import nn
 from engine import ops
 from engine.model_executor.layers.attention import AttentionMetadata, KVCache
 from engine.model_executor.layers.cpu_linear import small_rows_weight
+from engine.model_executor.layers.moe import MoEMLP
 from engine.model_executor.models.llama_args import MLP_ACTS, ModelArgs
 
 _NO_BIAS = torch.empty(0)  # an absent bias or norm
@@ -52,7 +53,8 @@ class CompiledDecode:
         self.weights = weights
         self.max_rows = max_rows  # the fewest rows any linear's small-row kernel serves
         self.windows = [0 if w is None else int(w) for w in args.layer_windows]
-        self.shape = (attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter)
+        dense = [layer.mlp.inter for layer in layers if not isinstance(layer.mlp, MoEMLP)]
+        self.shape = (attn.heads, attn.kv_heads, attn.head_dim, dense[0] if dense else 1)  # a dense MLP's width
         self.eps, self.scale = float(args.rms_norm_eps), float(attn.attn.scale)
         self.mlp_act = MLP_ACTS.index(args.mlp_act)
         self.softcap = args.attn_softcap
@@ -61,26 +63,29 @@ class CompiledDecode:
     @classmethod
     def build(cls, layers: Sequence[nn.Module], args: ModelArgs) -> Optional["CompiledDecode"]:
         """The plan of the decoder's layers (LlamaBlock, any family of the spec), or None while they cannot run
-        compiled: a linear not on the small-row kernel (not packed yet, or oneDNN only), tensor parallelism, not
-        the compiled CPU backend, or an MLP kind the loop has no path for."""
-        if layers[0].self_attn.tp.world_size != 1 or ops.backend() is not ops.OpsBackend.COMPILED_CPU \
-                or args.mlp_kind != "dense":
+        compiled: a linear not on the small-row kernel (not packed yet, or oneDNN only), tensor parallelism, or not
+        the compiled CPU backend."""
+        if layers[0].self_attn.tp.world_size != 1 or ops.backend() is not ops.OpsBackend.COMPILED_CPU:
             return None
         weights, max_rows = [], None
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            small = [small_rows_weight(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                              mlp.down_proj)]
-            if any(s is None for s in small):
+            moe = isinstance(mlp, MoEMLP)
+            mlp_linears = (mlp.gate,) if moe else (mlp.gate_up_proj, mlp.down_proj)
+            small = [small_rows_weight(linear) for linear in (attn.qkv_proj, attn.o_proj, *mlp_linears)]
+            if any(s is None for s in small) or (moe and mlp.packed is None):
                 return None  # not packed, or oneDNN only: the eager path
             rows = min(r for _, r in small)
             max_rows = rows if max_rows is None else min(max_rows, rows)
-            (qkv, _), (o, _), (gate_up, _), (down, _) = small
-            # csrc/cpu/decode_layers.cpp's Slot order
+            (qkv, _), (o, _) = small[:2]
+            # csrc/cpu/decode_layers.cpp's Slot order; a mixture-of-experts layer's MLP slots hold its router,
+            # settings and experts (_moe_slots)
+            mlp_slots = _moe_slots(mlp, small[2][0]) if moe else [
+                small[2][0], _bias(mlp.gate_up_proj), small[3][0], _bias(mlp.down_proj)]
             weights += [
                 layer.input_layernorm.weight, qkv, _bias(attn.qkv_proj), _norm(attn.q_norm), _norm(attn.k_norm),
                 o, _bias(attn.o_proj), _norm(layer.attn_out_norm), layer.pre_mlp_norm.weight,
-                gate_up, _bias(mlp.gate_up_proj), down, _bias(mlp.down_proj), _norm(layer.mlp_out_norm),
+                *mlp_slots, _norm(layer.mlp_out_norm),
             ]
         if max_rows is None or len(weights) != len(layers) * ops.decode_layer_slots():
             return None
@@ -122,6 +127,14 @@ class CompiledDecode:
             self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale, self.mlp_act,
             self.softcap,
         )
+
+
+def _moe_slots(mlp: MoEMLP, router: torch.Tensor) -> list[torch.Tensor]:
+    """A mixture-of-experts layer's four MLP slots (csrc/cpu/decode_layers.cpp moe_mlp): the router's packed weight,
+    its settings as an int64 tensor (whose dtype marks the layer), the stacked experts' gate | up and down."""
+    a = mlp.args
+    settings = torch.tensor([mlp.inter, a.top_k, a.renormalize, a.round_weights, a.num_experts], dtype=torch.int64)
+    return [router, settings, *mlp.packed]
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor:

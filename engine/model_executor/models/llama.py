@@ -12,6 +12,7 @@ from engine import ops
 
 from engine.model_executor.layers import cpu_linear
 from engine.model_executor.layers.attention import Attention, AttentionMetadata, KVCache
+from engine.model_executor.layers.moe import MoEMLP
 from engine.distributed.group import TPGroup
 from engine.model_executor.models.compiled_decode import CompiledDecode
 from engine.model_executor.models.llama_args import MLP_ACTS, ModelArgs
@@ -91,13 +92,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaBlock(nn.Module):
     def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 sliding_window: Optional[int], tp: TPGroup) -> None:
+                 sliding_window: Optional[int], tp: TPGroup, sparse: bool = False) -> None:
         super().__init__()
         norm = lambda: RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)  # noqa: E731
         self.input_layernorm = norm()
         self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window, tp)
         self.post_attention_layernorm = norm()
-        self.mlp = LlamaMLP(a, dtype, tp)
+        # a mixture-of-experts model's sparse layers: the router and its experts (engine/model_executor/layers/moe.py)
+        self.mlp = MoEMLP(a.hidden_size, a.moe, dtype, tp) if sparse else LlamaMLP(a, dtype, tp)
         # Gemma (sandwich_norms): post_attention_layernorm norms the attention output, pre/post_feedforward_layernorm
         # the MLP's input and output. The roles below name them (Llama's post_attention_layernorm is its pre-MLP norm).
         self.sandwich = a.sandwich_norms
@@ -161,8 +163,9 @@ class LlamaForCausalLM(nn.Module):
         # _weight: no random init (on the meta device torch's normal_ imports torch._dynamo and triton: +100 MiB RSS).
         self.embed_tokens = nn.Embedding(local_vocab, a.hidden_size, dtype=dtype,
                                          _weight=torch.empty(local_vocab, a.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(LlamaBlock(a, self.rotaries[r], dtype, w, tp)
-                                    for w, r in zip(a.layer_windows, a.layer_rope))
+        sparse = a.moe.sparse_layers if a.moe is not None else (False,) * a.num_layers
+        self.layers = nn.ModuleList(LlamaBlock(a, self.rotaries[r], dtype, w, tp, s)
+                                    for w, r, s in zip(a.layer_windows, a.layer_rope, sparse))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(a.hidden_size, local_vocab, bias=False, dtype=dtype)
         self.tie_weights()

@@ -9,9 +9,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from engine.model_executor.layers.moe_args import MoEArgs
+
 # HF model_type -> its family's spec reader below; the model_type of Gemma 3's text model inside a multimodal
 # checkpoint is gemma3_text (engine/model_executor/models/__init__.py text_config).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
 MLP_ACTS = ("silu", "gelu_tanh")  # a gated MLP's activation of its gate: silu(gate) * up, gelu_tanh(gate) * up
 _ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
@@ -41,7 +43,7 @@ class ModelArgs:
     norm_offset: float = 0.0
     sandwich_norms: bool = False  # Gemma: attention and MLP outputs normed before their residual add (4 norms a layer)
     qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k (over head_dim) before RoPE
-    mlp_kind: str = "dense"  # "dense": a gated MLP; (the MoE helper adds "experts")
+    mlp_kind: str = "dense"  # "dense": a gated MLP; "experts": a mixture of experts on moe.sparse_layers
     mlp_act: str = "silu"  # MLP_ACTS
     # per layer: the key of its RoPE parameters (Gemma 3's layer types: "sliding_attention" / "full_attention" each
     # with their own base and scaling), None for the config's one RoPE
@@ -50,6 +52,7 @@ class ModelArgs:
     attn_softcap: Optional[float] = None  # Gemma 2: scores = tanh(scores / cap) * cap before the mask and softmax
     final_softcap: Optional[float] = None  # Gemma 2/3: logits = tanh(logits / cap) * cap
     attn_scale: float = 0.0  # the scores' scale: head_dim ** -0.5, Gemma's query_pre_attn_scalar ** -0.5
+    moe: Optional[MoEArgs] = None  # a mixture-of-experts model's experts (which layers, how many, top-k)
 
     def __post_init__(self) -> None:
         if not self.layer_rope:
@@ -90,13 +93,15 @@ class ModelArgs:
             family=family,
             norm_offset=1.0 if gemma and not getattr(c, "norm_weights_offset_applied", False) else 0.0,
             sandwich_norms=gemma,
-            qk_norm=family in ("qwen3", "gemma3_text"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             mlp_act=_ACT_NAMES[act],
             layer_rope=layer_ropes(c),
             embed_scale=math.sqrt(c.hidden_size) if gemma else None,
             attn_softcap=getattr(c, "attn_logit_softcapping", None) if gemma else None,
             final_softcap=getattr(c, "final_logit_softcapping", None) if gemma else None,
             attn_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
+            mlp_kind="experts" if MoEArgs.from_hf(c) is not None else "dense",
+            moe=MoEArgs.from_hf(c),
         )
 
     def check_tensor_parallel(self, world_size: int) -> None:
@@ -105,6 +110,8 @@ class ModelArgs:
         sizes = {"num_attention_heads": self.num_heads, "intermediate_size": self.intermediate_size,
                  "vocab_size": self.vocab_size}
         bad = [f"{name} ({n})" for name, n in sizes.items() if n % world_size]
+        if self.moe is not None and self.moe.check_tensor_parallel(world_size):
+            bad.append(self.moe.check_tensor_parallel(world_size))
         if self.num_kv_heads % world_size and world_size % self.num_kv_heads:
             bad.insert(1, f"num_key_value_heads ({self.num_kv_heads}; or be a multiple of it)")
         if bad:

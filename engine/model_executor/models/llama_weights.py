@@ -3,6 +3,7 @@ parallelism each rank's shard of them (Megatron-style, see LlamaForCausalLM). Th
 its rank's group (this module reads nothing else of it, and does not import it)."""
 from __future__ import annotations
 
+import re
 from typing import Iterable, Optional
 
 import torch
@@ -86,6 +87,28 @@ def _kv_replica(a: ModelArgs, tp: TPGroup, name: str) -> Optional[slice]:
     head = tp.rank * a.num_kv_heads // tp.world_size
     return slice(head * a.head_dim, (head + 1) * a.head_dim)
 
+# An expert's linear in HF's names (Qwen3-MoE's experts.N.gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2), after
+# Mixtral's block_sparse_moe is renamed mlp.
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+
+
+def _expert_target(a: ModelArgs, tp: TPGroup, name: str, tensor: torch.Tensor
+                   ) -> Optional[tuple[str, int, int, torch.Tensor]]:
+    """An expert's HF tensor -> (our stacked param, expert, row offset, this rank's part): gate and up are rows of
+    w13 [E, 2 * inter, hidden] (each rank's 1/N of the intermediate), down is w2 [E, hidden, inter] (its columns
+    split); None for any other name."""
+    match = _EXPERT.match(name) if a.moe is not None else None
+    if match is None:
+        return None
+    layer, expert, part = match.group(1), int(match.group(2)), _EXPERT_PART[match.group(3)]
+    inter = a.moe.intermediate_size // tp.world_size
+    start, end = tp.shard(a.moe.intermediate_size)
+    if part == 2:
+        return f"{layer}.w2", expert, 0, tensor[:, start:end]
+    return f"{layer}.w13", expert, part * inter, tensor[start:end]
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterable[tuple[str, torch.Tensor]]
                  ) -> None:
@@ -93,9 +116,15 @@ def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterab
     params = dict(model.named_parameters())
     rows_loaded = dict.fromkeys(params, 0)
     for hf_name, tensor in _named(args, weights):
-        name = hf_name
+        name = hf_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's experts and router
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue  # tied: the embedding is the head
+        expert = _expert_target(args, tp, name, tensor)
+        if expert is not None:
+            target, e, offset, part = expert
+            params[target][e, offset : offset + part.shape[0]].copy_(part)
+            rows_loaded[target] += part.shape[0]
+            continue
         replica = _kv_replica(args, tp, name)
         fused = _fused_targets(args, tp, name)
         name, offset = fused[:2] if fused is not None else (name, 0)
@@ -105,7 +134,8 @@ def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterab
         rows = tensor.shape[0]
         params[name][offset : offset + rows].copy_(tensor)
         rows_loaded[name] += rows
-    missing = [n for n, p in params.items() if rows_loaded[n] != p.shape[0]]
+    expected = {n: p.shape[0] * p.shape[1] if p.dim() == 3 else p.shape[0] for n, p in params.items()}  # experts: rows
+    missing = [n for n in params if rows_loaded[n] != expected[n]]
     if missing:
         raise ValueError(f"checkpoint is missing or duplicates tensors for {len(missing)} params, e.g. {missing[:3]}.")
 
@@ -157,6 +187,13 @@ def _checkpoint_shapes(a: ModelArgs) -> Iterable[tuple[str, tuple[int, ...]]]:
         yield f"{attn}o_proj.weight", (h, q)
         if a.o_bias:
             yield f"{attn}o_proj.bias", (h,)
+        if a.moe is not None and a.moe.sparse_layers[i]:
+            yield f"{mlp}gate.weight", (a.moe.num_experts, h)
+            for e in range(a.moe.num_experts):
+                m = a.moe.intermediate_size
+                for part, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
+                    yield f"{mlp}experts.{e}.{part}.weight", shape
+            continue
         for part, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             yield f"{mlp}{part}.weight", shape
             if a.mlp_bias:

@@ -1,0 +1,158 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, gated SiLU MLPs.
+
+MoEArgs (engine/model_executor/layers/moe_args.py) reads an HF config's expert fields. MoEMLP is one sparse layer's
+block:
+
+- the router (`gate`, a linear hidden -> E kept in the model's float dtype: llama.cpp keeps ffn_gate_inp in F32 in
+  its quantized files too): softmax in float32, top-k, renormalised over the k chosen (Mixtral always, Qwen3-MoE
+  with norm_topk_prob), the weights rounded to the model's dtype as HF's Qwen3-MoE does;
+- the experts: w13 [E, 2 * inter, hidden] (each expert's gate rows, then its up rows) and w2 [E, hidden, inter].
+
+On CPU, pack_experts (the loader, after the dense linears are packed or quantized) stacks every expert's weights in
+the dense kernels' packed form, float (small_gemm) or Q8_0 (q8_gemm), and releases the float parameters; then
+ops.moe_experts (csrc/cpu/moe.cpp) groups the step's tokens by expert and reads each chosen expert once. Elsewhere
+(CUDA, the torch backend, before packing) ref_moe runs HF's per-expert loop in torch.
+
+Tensor parallel: the router is whole on every rank; each rank holds 1/N of every expert's intermediate (gate/up
+rows, down columns) and the ranks' partial sums are all-reduced, as a dense MLP's.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from engine import ops
+from engine.distributed.group import TPGroup
+from engine.model_executor.layers.moe_args import MoEArgs
+from engine.ops.reference import ref_moe
+
+logger = logging.getLogger(__name__)
+
+
+class Router(nn.Linear):
+    """The router's linear: its own type, so that the dense linears' packers (pack_linears, quantize_linears: plain
+    nn.Linear only) leave it to pack_experts, which keeps it in the model's float dtype."""
+
+
+class MoEMLP(nn.Module):
+    """One layer's experts over this rank's share of each expert's intermediate (+ all-reduce)."""
+
+    def __init__(self, hidden: int, m: MoEArgs, dtype: torch.dtype, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp, self.args = tp, m
+        self.inter = m.intermediate_size // tp.world_size
+        self.gate = Router(hidden, m.num_experts, bias=False, dtype=dtype)  # the router, whole on every rank
+        self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(m.num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
+        # pack_experts' stacked forms: [E, packed gate | up], [E, packed down] (float or uint8 Q8_0); None: ref_moe
+        self.packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (expert ids int64 [T, k], their weights float32 [T, k]), as HF's router computes them."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.args.top_k, dim=-1)
+        if self.args.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.args.round_weights:
+            weights = weights.to(x.dtype).float()
+        return ids, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
+        if self.packed is not None and x.device.type == "cpu":  # the compiled decode step makes the same call
+            a, x = self.args, x if x.stride(-1) == 1 else x.contiguous()
+            out = ops.moe_forward(torch.empty_like(x), x, self.gate(x), *self.packed, self.inter, a.top_k,
+                                  a.renormalize, a.round_weights)
+        else:
+            out = ref_moe(x, *self.route(x), self.w13, self.w2)
+        return self.tp.all_reduce(out)
+
+
+def moe_layers(model: nn.Module) -> list[MoEMLP]:
+    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+
+@torch.no_grad()
+def pack_experts(model: nn.Module, quantized: bool) -> int:
+    """Every CPU MoEMLP of `model` onto ops.moe_experts: the experts stacked in the dense kernels' packed form
+    (Q8_0 when `quantized`, float where the small-row kernel serves the dtype), the float parameters released, and
+    the router packed as a dense linear. Returns how many layers were packed (0 where the kernels do not serve:
+    those keep ref_moe)."""
+    from engine.model_executor.layers import cpu_linear, quant
+
+    done = 0
+    for layer in moe_layers(model):
+        if layer.packed is not None or layer.w13.device.type != "cpu" or layer.w13.numel() == 0:
+            continue
+        if quantized:
+            if not quant.q8_available():
+                continue
+            layer.packed = (_stack(layer.w13, _q8_packer), _stack(layer.w2, _q8_packer))
+        else:
+            if not (cpu_linear.small_rows_available() and layer.w13.dtype in cpu_linear.packed_dtypes()):
+                continue
+            layer.packed = (_stack(layer.w13, _float_packer), _stack(layer.w2, _float_packer))
+        layer.w13 = nn.Parameter(layer.w13.new_empty(0), requires_grad=False)
+        layer.w2 = nn.Parameter(layer.w2.new_empty(0), requires_grad=False)
+        if cpu_linear.packed_linear_available() and layer.gate.weight.dtype in cpu_linear.packed_dtypes():
+            cpu_linear._pack(layer.gate)
+            layer.gate.weight = nn.Parameter(layer.gate.weight.new_empty(0), requires_grad=False)
+        cpu_linear._trim_heap()
+        done += 1
+    if done:
+        logger.info("packed the experts of %d MoE layers (%s)", done, "Q8_0" if quantized else "float")
+    return done
+
+
+def _float_packer(w: torch.Tensor):  # one expert's [n, k] -> (numel, pack into a 1-D slot)
+    from engine.model_executor.layers.cpu_linear import pack_small_rows, small_rows_numel
+
+    return small_rows_numel(w), w.dtype, lambda out: pack_small_rows(w, out)
+
+
+def _q8_packer(w: torch.Tensor):
+    from engine.model_executor.layers.quant import pack_q8, q8_numel, quantize_q8_0
+
+    return q8_numel(*w.shape), torch.uint8, lambda out: pack_q8(*quantize_q8_0(w), out=out)
+
+
+def _stack(w: torch.Tensor, packer) -> torch.Tensor:
+    """[E, n, k] -> [E, packed numel]: each expert packed into its row of one huge-paged buffer (row starts
+    64-byte aligned where the element count allows: the kernels stream each expert from its start)."""
+    from engine.model_executor.layers.cpu_linear import huge_page_buffer
+
+    numel, dtype, _ = packer(w[0])
+    size = torch.empty((), dtype=dtype).element_size()
+    buf = huge_page_buffer(w.shape[0] * numel * size).view(dtype).view(w.shape[0], numel)
+    for e in range(w.shape[0]):
+        packer(w[e])[2](buf[e])
+    return buf
+
+
+@torch.no_grad()
+def attach_q8_experts(layer: MoEMLP, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
+                      down: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """A GGUF's Q8_0 experts (llama.cpp's ffn_gate_exps / ffn_up_exps / ffn_down_exps: each (q int8 [E * rows, KB,
+    32], d float16 [E * rows, KB]), expert-major) packed as they are, not dequantized, into the layer's stacked
+    Q8_0 form; the router packed as pack_experts does (engine/model_executor/gguf_q8.py)."""
+    from engine.model_executor.layers import cpu_linear
+    from engine.model_executor.layers.quant import pack_q8, q8_numel
+
+    e, inter, hidden = layer.args.num_experts, layer.inter, layer.gate.in_features
+    if gate[0].shape[0] != e * inter or down[0].shape[0] != e * hidden:
+        raise ValueError(f"GGUF experts of {gate[0].shape[0]} gate and {down[0].shape[0]} down rows, the model's "
+                         f"{e} experts need {e * inter} and {e * hidden}")
+    w13 = cpu_linear.huge_page_buffer(e * q8_numel(2 * inter, hidden)).view(e, -1)
+    w2 = cpu_linear.huge_page_buffer(e * q8_numel(hidden, inter)).view(e, -1)
+    for i in range(e):
+        rows = slice(i * inter, (i + 1) * inter)
+        pack_q8(torch.cat([gate[0][rows], up[0][rows]]), torch.cat([gate[1][rows], up[1][rows]]), out=w13[i])
+        pack_q8(down[0][i * hidden:(i + 1) * hidden], down[1][i * hidden:(i + 1) * hidden], out=w2[i])
+    layer.packed = (w13, w2)
+    layer.w13 = nn.Parameter(layer.w13.new_empty(0), requires_grad=False)
+    layer.w2 = nn.Parameter(layer.w2.new_empty(0), requires_grad=False)
+    if cpu_linear.packed_linear_available() and layer.gate.weight.dtype in cpu_linear.packed_dtypes():
+        cpu_linear._pack(layer.gate)
+        layer.gate.weight = nn.Parameter(layer.gate.weight.new_empty(0), requires_grad=False)
