@@ -166,7 +166,7 @@ class LLMEngine:
         seq = Sequence(next(self.seq_counter), list(prompt_token_ids))
         if params.guided is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.guided)
-            seq.grammar = self.structured.new_state(compiled)
+            seq.grammar = self.structured.new_state(compiled, params.guided_after)
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
         self.scheduler.add_seq_group(group)
 

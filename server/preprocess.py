@@ -6,7 +6,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from engine.sampling_params import GuidedSpec, SamplingParams
-from server import guided, tools
+from server import guided, reasoning, tools
 from server.context import ServerContext
 from server.errors import APIError
 from server.job import Job, JobKind
@@ -74,8 +74,11 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (logprob_count(ctx, body.top_logprobs, "top_logprobs") or 0) if body.logprobs else None
     prompt_logprobs = logprob_count(ctx, body.prompt_logprobs, "prompt_logprobs")
+    reasoning_plan = reasoning.plan(ctx.reasoning_parser, text)
+    # A grammar (structured output, tool_choice) constrains the content after the reasoning, not the reasoning.
+    guided_after = reasoning_plan.gate(ctx.tokenizer) if reasoning_plan is not None and spec is not None else None
     params = sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                             guided_spec=spec)
+                             guided_spec=spec, guided_after=guided_after)
     last = body.messages[-1]
     echo_text = _content_text(last.content) if body.echo and last.role == "assistant" else ""
     return Job(
@@ -85,7 +88,7 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
         prompt_logprobs=prompt_logprobs, logprob_token_ids=body.logprob_token_ids,
         tokens_as_ids=body.return_tokens_as_token_ids, return_token_ids=body.return_token_ids,
         cached_tokens_details=ctx.enable_prompt_tokens_details, priority=body.priority, tools=tool_plan,
-        guided_param=guided_param,
+        reasoning=reasoning_plan, guided_param=guided_param,
     )
 
 
@@ -238,6 +241,7 @@ def sampling_params(
     logprobs: Optional[int],
     prompt_logprobs: Optional[int] = None,
     guided_spec: Optional[GuidedSpec] = None,
+    guided_after: Optional[tuple[int, ...]] = None,
 ) -> SamplingParams:
     if body.stream and (body.use_beam_search or (body.best_of is not None and body.best_of != body.n)):
         raise APIError("best_of != n and use_beam_search are not supported with stream=true.", 400, "best_of")
@@ -269,7 +273,7 @@ def sampling_params(
             logprob_token_ids=body.logprob_token_ids,
             skip_special_tokens=body.skip_special_tokens, logit_bias=_logit_bias(ctx, body.logit_bias),
             allowed_token_ids=body.allowed_token_ids, bad_words_token_ids=_bad_words(ctx, body.bad_words),
-            max_logprobs=ctx.engine.config.max_logprobs, guided=guided_spec,
+            max_logprobs=ctx.engine.config.max_logprobs, guided=guided_spec, guided_after=guided_after,
             final_only=not body.stream,  # (a non-streamed response reads the finished output only)
         )
     except ValueError as exc:
