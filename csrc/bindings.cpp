@@ -148,6 +148,16 @@ void cpu_only(std::initializer_list<const torch::Tensor*> tensors, const char* o
   if (any_cuda(tensors)) no_cuda(op);
 }
 
+void gelu_tanh_and_mul(torch::Tensor& out, const torch::Tensor& input) {
+  cpu_only({&out, &input}, "gelu_tanh_and_mul");
+  pagedserve::cpu::gelu_tanh_and_mul(out, input);
+}
+
+void rms_norm_heads(torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  cpu_only({&x, &weight}, "rms_norm_heads");
+  pagedserve::cpu::rms_norm_heads(x, weight, eps);
+}
+
 void prefill_attention(torch::Tensor& out,                 // [q_len, num_heads, head_size]
                        const torch::Tensor& query,         // [q_len, num_heads, head_size]
                        const torch::Tensor& key_cache,     // [num_blocks, num_kv_heads, block_size, head_size]
@@ -193,20 +203,23 @@ void q8_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& pa
 }
 
 torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::Tensor& positions,
-                                  const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& weights,
+                                  const std::vector<torch::Tensor>& cos_sins,
+                                  const std::vector<torch::Tensor>& weights,
                                   const std::vector<torch::Tensor>& key_caches,
                                   const std::vector<torch::Tensor>& value_caches, const torch::Tensor& slot_mapping,
                                   const std::vector<int64_t>& prefill_spans,
                                   const std::vector<torch::Tensor>& prefill_tables,
                                   const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                                   const std::vector<int64_t>& windows, int64_t num_heads, int64_t num_kv_heads,
-                                  int64_t head_size, int64_t intermediate_size, double eps, double scale) {
-  cpu_only({&embeddings, &positions, &cos_sin}, "llama_decode_layers");
+                                  int64_t head_size, int64_t intermediate_size, double eps, double scale,
+                                  int64_t mlp_act) {
+  cpu_only({&embeddings, &positions}, "llama_decode_layers");
+  for (const auto& c : cos_sins) cpu_only({&c}, "llama_decode_layers");
   for (const auto& c : key_caches) cpu_only({&c}, "llama_decode_layers");
-  return pagedserve::cpu::llama_decode_layers(embeddings, positions, cos_sin, weights, key_caches, value_caches,
+  return pagedserve::cpu::llama_decode_layers(embeddings, positions, cos_sins, weights, key_caches, value_caches,
                                               slot_mapping, prefill_spans, prefill_tables, block_tables,
                                               context_lens, windows, num_heads,
-                                              num_kv_heads, head_size, intermediate_size, eps, scale);
+                                              num_kv_heads, head_size, intermediate_size, eps, scale, mlp_act);
 }
 
 // OpenMP threads for the parallel regions the CALLING thread opens from now on (the compiled ops',
@@ -244,6 +257,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, release_gil(),
         "residual += input; input = rms_norm(residual), in place");
   m.def("silu_and_mul", &silu_and_mul, release_gil(), "silu(gate) * up of [gate | up] rows (writes out)");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, release_gil(),
+        "gelu_tanh(gate) * up of [gate | up] rows (writes out; CPU)");
+  m.def("rms_norm_heads", &rms_norm_heads, release_gil(), "RMSNorm of each head vector, in place (CPU)");
   m.def("rotary_embedding", &rotary_embedding, release_gil(), "neox RoPE in place on [tokens, heads, head_size]");
   m.def("argmax_logsumexp", &argmax_logsumexp, release_gil(),
         "per row: index of the first largest logit and log(sum(exp(logits))) (writes argmax, logsumexp)");

@@ -91,6 +91,17 @@ void silu_and_mul(
     at::Tensor& out,           // [num_tokens, d]
     const at::Tensor& input);  // [num_tokens, 2 * d]
 
+// out = gelu_tanh(input[:, :d]) * input[:, d:] (Gemma's gated MLP; torch's tanh-approximated GELU). CPU only.
+void gelu_tanh_and_mul(
+    at::Tensor& out,           // [num_tokens, d]
+    const at::Tensor& input);  // [num_tokens, 2 * d]
+
+// In place: each head vector of x normed as rms_norm does its rows (Qwen3's and Gemma 3's q/k norms). CPU only.
+void rms_norm_heads(
+    at::Tensor& x,             // [num_tokens, num_heads, head_size], head vectors contiguous (a strided view is fine)
+    const at::Tensor& weight,  // [head_size]
+    double eps);
+
 // Neox-style RoPE in place on each head of x.
 void rotary_embedding(
     const at::Tensor& positions,       // [num_tokens] int64
@@ -167,13 +178,14 @@ int64_t q8_gemm_isa();
 // the final norm): [T, hidden]. The tokens are laid out as the eager step's: the prefill spans first (each a
 // (start, end, context_len) triple in `prefill_spans`; its table in `prefill_tables`, empty when the span has no
 // cached prefix and attends over its own rows), then one decode token per sequence. Each layer's
-// decode_layer_slots() tensors lie in `weights` in the order input norm, qkv, qkv bias, o, o bias,
-// post-attention norm, gate_up, gate_up bias, down, down bias; linears as pack_small_rows weights, an absent
-// bias as an empty tensor.
+// decode_layer_slots() tensors lie in `weights` in the order input norm, qkv, qkv bias, q norm, k norm, o, o bias,
+// attention-output norm, pre-MLP norm, gate_up, gate_up bias, down, down bias, MLP-output norm (csrc/cpu/
+// decode_layers.cpp Slot); linears as pack_small_rows weights, an absent bias or norm as an empty tensor.
+// cos_sins: each layer's RoPE table (the same tensor for layers sharing one); mlp_act: 0 silu, 1 gelu_tanh.
 at::Tensor llama_decode_layers(
     const at::Tensor& embeddings,                 // [T, hidden]
     const at::Tensor& positions,                  // [T] int64
-    const at::Tensor& cos_sin,                    // [max_position, head_size] float32
+    const std::vector<at::Tensor>& cos_sins,      // num_layers x [max_position, head_size] float32
     const std::vector<at::Tensor>& weights,       // num_layers * decode_layer_slots()
     const std::vector<at::Tensor>& key_caches,    // num_layers x [num_blocks, num_kv_heads, block_size, head_size]
     const std::vector<at::Tensor>& value_caches,  // num_layers x the same
@@ -184,7 +196,7 @@ at::Tensor llama_decode_layers(
     const at::Tensor& context_lens,               // [D] int32
     const std::vector<int64_t>& windows,          // per layer: its sliding window, 0 for the whole context
     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size, double eps,
-    double scale);
+    double scale, int64_t mlp_act);
 
 // How many tensors each layer has in llama_decode_layers' `weights`.
 int64_t decode_layer_slots();

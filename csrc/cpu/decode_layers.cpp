@@ -1,4 +1,7 @@
-// A Llama-family CPU step's decoder layers as one C++ loop (the CPU twin of a captured CUDA graph).
+// A CPU step's decoder layers as one C++ loop (the CPU twin of a captured CUDA graph), for every family the one
+// decoder serves: the per-architecture spec (engine/model_executor/models/llama_args.py) reaches it as which
+// weight slots are present (q/k norms, Gemma's norms of the attention and MLP outputs), a RoPE table per layer
+// (Gemma 3's sliding and global layers) and the MLP's activation; no per-model path.
 //
 // The eager model (engine/model_executor/models/llama.py) runs each layer as ~12 Python-level op calls: that Python and dispatch
 // cost ~150 us a layer, ~4.5 ms a step of SmolLM2's 30 layers, next to ~14 ms of weight reading in a decode step
@@ -22,10 +25,16 @@ namespace cpu {
 
 namespace {
 
-// A layer's tensors in `weights`, in this order (an absent bias is an empty tensor).
+// A layer's tensors in `weights`, in this order (an absent bias or norm is an empty tensor). kPostNorm is the
+// norm before the MLP (HF Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm); kAttnOutNorm and
+// kMlpOutNorm are Gemma's norms of the attention and MLP outputs before their residual add.
 enum Slot : int64_t {
-  kInputNorm, kQkv, kQkvBias, kO, kOBias, kPostNorm, kGateUp, kGateUpBias, kDown, kDownBias, kSlots
+  kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, kAttnOutNorm, kPostNorm, kGateUp, kGateUpBias, kDown,
+  kDownBias, kMlpOutNorm, kSlots
 };
+
+// The MLP's activation of its gate (llama_args.py MLP_ACTS, in order).
+enum MlpAct : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // Rows of the MLP per pass in a long step (a multiple of small_gemm's 128-row chunk, so its passes are unchanged).
 constexpr int64_t kMlpRows = 512;
@@ -47,15 +56,18 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at:
 
 int64_t decode_layer_slots() { return kSlots; }
 
-at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& positions, const at::Tensor& cos_sin,
+at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& positions,
+                               const std::vector<at::Tensor>& cos_sins,
                                const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& key_caches,
                                const std::vector<at::Tensor>& value_caches, const at::Tensor& slot_mapping,
                                const std::vector<int64_t>& prefill_spans,
                                const std::vector<at::Tensor>& prefill_tables, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, const std::vector<int64_t>& windows,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size,
-                               double eps, double scale) {
+                               double eps, double scale, int64_t mlp_act) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(cos_sins.size()) == layers, "llama_decode_layers: a RoPE table per layer");
+  TORCH_CHECK(mlp_act == kSilu || mlp_act == kGeluTanh, "llama_decode_layers: unknown MLP activation ", mlp_act);
   TORCH_CHECK(embeddings.dim() == 2 && embeddings.is_contiguous(), "llama_decode_layers: embeddings [T, hidden]");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kSlots && value_caches.size() == key_caches.size() &&
                   static_cast<int64_t>(windows.size()) == layers,
@@ -120,7 +132,12 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
       fused_add_rms_norm(x, residual, w[kInputNorm], eps);
     }
     linear(qkv, x, w[kQkv], w[kQkvBias]);
-    rotary_embedding(positions, qk, cos_sin);
+    if (w[kQNorm].numel()) {  // Qwen3, Gemma 3: each head of q and k normed before RoPE
+      at::Tensor q_heads = q, k_heads = k;
+      rms_norm_heads(q_heads, w[kQNorm], eps);
+      rms_norm_heads(k_heads, w[kKNorm], eps);
+    }
+    rotary_embedding(positions, qk, cos_sins[l]);
     at::Tensor key_cache = key_caches[l], value_cache = value_caches[l];
     reshape_and_cache(k, v, key_cache, value_cache, slot_mapping);
     for (int64_t s = 0; s < spans; ++s) {
@@ -136,19 +153,25 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
       paged_attention(decode_out, decode_q, key_cache, value_cache, block_tables, context_lens, scale, windows[l]);
     }
     linear(x, attn_rows, w[kO], w[kOBias]);
+    if (w[kAttnOutNorm].numel()) rms_norm(x, x, w[kAttnOutNorm], eps);  // in place, as the norm allows
     fused_add_rms_norm(x, residual, w[kPostNorm], eps);
     for (int64_t r = 0; r < t; r += mlp_rows) {  // x's rows r.. are read by gate_up before down overwrites them
       const int64_t n = std::min(mlp_rows, t - r);
       at::Tensor x_rows = x.narrow(0, r, n), act_rows = act.narrow(0, 0, n);
       // gate_up and its activation in one pass where the path has fused tiles (the same bits as the two calls)
-      if (w[kGateUp].scalar_type() == at::kByte ||  // int8 weights: no fused tiles
+      if (mlp_act != kSilu || w[kGateUp].scalar_type() == at::kByte ||  // GELU or int8 weights: no fused tiles
           !small_gemm_glu(act_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0)) {
         if (!gate_up.defined()) gate_up = at::empty({mlp_rows, 2 * intermediate_size}, opts);
         at::Tensor gate_up_rows = gate_up.narrow(0, 0, n);
         linear(gate_up_rows, x_rows, w[kGateUp], w[kGateUpBias]);
-        silu_and_mul(act_rows, gate_up_rows);
+        if (mlp_act == kSilu) {
+          silu_and_mul(act_rows, gate_up_rows);
+        } else {
+          gelu_tanh_and_mul(act_rows, gate_up_rows);
+        }
       }
       linear(x_rows, act_rows, w[kDown], w[kDownBias]);
+      if (w[kMlpOutNorm].numel()) rms_norm(x_rows, x_rows, w[kMlpOutNorm], eps);
     }
   }
   return layers ? residual.add_(x) : residual;

@@ -68,7 +68,34 @@ void fused_add_rms_norm_impl(at::Tensor& input, at::Tensor& residual, const at::
   }
 }
 
+// Each head vector of x [T, H, D] (any strides over T and H, D contiguous) normed in place.
+template <typename T>
+void rms_norm_heads_impl(at::Tensor& x, const at::Tensor& weight, float eps) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  const int64_t t_stride = x.stride(0), h_stride = x.stride(1);
+  T* p = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+#pragma omp parallel for schedule(static) if (tokens * heads * dim >= vec::kParallelMinElements)
+  for (int64_t i = 0; i < tokens * heads; ++i) {
+    T* row = p + (i / heads) * t_stride + (i % heads) * h_stride;
+    norm_row(row, row, w, dim, eps);
+  }
+}
+
 }  // namespace
+
+void rms_norm_heads(at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm_heads: CPU tensors");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && weight.dim() == 1 && weight.numel() == x.size(2) &&
+                  weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm_heads: x [num_tokens, num_heads, head_size] with contiguous heads, weight [head_size] of "
+              "x's dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat: return rms_norm_heads_impl<float>(x, weight, static_cast<float>(eps));
+    case at::kBFloat16: return rms_norm_heads_impl<c10::BFloat16>(x, weight, static_cast<float>(eps));
+    default: TORCH_CHECK(false, "rms_norm_heads: unsupported dtype ", x.scalar_type());
+  }
+}
 
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight, double eps) {
   checks::rms_norm(out, input, weight, at::kCPU);

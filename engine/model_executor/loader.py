@@ -245,7 +245,9 @@ def _source(config: EngineConfig) -> _Source:
 def _auto_config(folder: str, **kwargs):
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs)
+    from engine.model_executor.models import text_config
+
+    return text_config(AutoConfig.from_pretrained(folder, local_files_only=True, **kwargs))
 
 
 def load_tokenizer(source: _Source):
@@ -282,7 +284,7 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
     with torch.device("meta"):
         # The RoPE table must cover --max-model-len when it exceeds the checkpoint's (rope-scaled models).
         model = model_cls(hf_config, dtype=dtype, max_len=max(config.max_model_len or 0, model_max_len(hf_config)),
-                          tp=tp)
+                          tp=tp, serve_len=config.max_model_len)
     # model.to_empty(device=device) without its torch.empty_like of meta tensors: that runs torch's Python refs,
     # which import sympy (~35 MiB held for the server's life).
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))

@@ -15,7 +15,8 @@ from engine.ops.build import (CUDA_HEAD_SIZES, BackendUnavailable, OpsBackend, b
                                load as _load, require_backend)
 from engine.ops.reference import (BlockMapping, _as_mapping, ref_argmax_logsumexp, ref_copy_blocks, ref_fused_add_rms_norm,
                             ref_paged_attention, ref_prefill_attention, ref_reshape_and_cache, ref_rms_norm,
-                            ref_rotary_embedding, ref_silu_and_mul, ref_small_gemm, ref_small_gemm_argmax_lse, ref_small_gemm_glu,
+                            ref_gelu_tanh_and_mul, ref_rms_norm_heads,
+                            ref_rotary_embedding, ref_silu_and_mul, softcap_, ref_small_gemm, ref_small_gemm_argmax_lse, ref_small_gemm_glu,
                             ref_swap_blocks)
 
 
@@ -48,13 +49,15 @@ def paged_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> None:
     """Decode attention of one query token per sequence over its paged context (with a window: its last
-    sliding_window tokens, the query's own included; earlier blocks are never read); writes out."""
+    sliding_window tokens, the query's own included; earlier blocks are never read); writes out. With a softcap
+    (Gemma 2's attention soft-capping) the torch reference runs: no kernel caps scores yet."""
     module = _compiled_for(out, query, key_cache)
-    if module is None:
+    if module is None or softcap is not None:
         return ref_paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, scale,
-                                   sliding_window)
+                                   sliding_window, softcap)
     module.paged_attention(out, query, key_cache, value_cache, block_tables, context_lens, float(scale),
                            _window_arg(sliding_window))
 
@@ -68,14 +71,15 @@ def prefill_attention(
     context_len: int,
     scale: float,
     sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's q_len new tokens over the first context_len tokens of its blocks
     (a cached prefix, then the new ones), each over its last sliding_window tokens when given; GQA without
-    K/V copies. CPU kernel; CUDA runs the reference."""
+    K/V copies. CPU kernel; CUDA runs the reference, as does a softcap (Gemma 2)."""
     module = _compiled_cpu_for(query, key_cache)
-    if module is None or query.dtype not in (*_ELEMENTWISE_DTYPES, torch.float16):
+    if module is None or query.dtype not in (*_ELEMENTWISE_DTYPES, torch.float16) or softcap is not None:
         return ref_prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale,
-                                     sliding_window)
+                                     sliding_window, softcap)
     module.prefill_attention(out, query, key_cache, value_cache, block_table, int(context_len), float(scale),
                              _window_arg(sliding_window))
     return out
@@ -187,6 +191,31 @@ def silu_and_mul(
         return ref_silu_and_mul(out, x)
     module.silu_and_mul(out, x)
     return out
+
+
+def gelu_tanh_and_mul(
+    out: torch.Tensor,  # [num_tokens, d]
+    x: torch.Tensor,  # [num_tokens, 2 * d]: gate | up
+) -> torch.Tensor:
+    """out = gelu_tanh(gate) * up (Gemma's gated MLP); returns out. CPU kernel; CUDA runs the reference."""
+    module = _compiled_cpu_for(x, out)
+    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+        return ref_gelu_tanh_and_mul(out, x)
+    module.gelu_tanh_and_mul(out, x)
+    return out
+
+
+def rms_norm_heads(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_size], head vectors contiguous (a strided view is fine)
+    weight: torch.Tensor,  # [head_size]
+    eps: float,
+) -> None:
+    """In place: each head vector normed as rms_norm does a row (Qwen3's and Gemma 3's q/k norms). CPU kernel;
+    CUDA runs the reference."""
+    module = _compiled_cpu_for(x, weight)
+    if module is None or x.dtype not in _ELEMENTWISE_DTYPES:
+        return ref_rms_norm_heads(x, weight, eps)
+    module.rms_norm_heads(x, weight, float(eps))
 
 
 def rotary_embedding(
@@ -330,7 +359,7 @@ def decode_layer_slots() -> int:
 def llama_decode_layers(
     embeddings: torch.Tensor,  # [T, hidden]: the prefill spans' tokens, then one decode token per sequence
     positions: torch.Tensor,  # [T] int64
-    cos_sin: torch.Tensor,  # [max_position, head_size] float32
+    cos_sins: list[torch.Tensor],  # per layer [max_position, head_size] float32 (layers share their RoPE's table)
     weights: list[torch.Tensor],  # num_layers * decode_layer_slots() (engine/model_executor/models/compiled_decode.py)
     key_caches: list[torch.Tensor],  # per layer [num_blocks, num_kv_heads, block_size, head_size]
     value_caches: list[torch.Tensor],
@@ -341,10 +370,12 @@ def llama_decode_layers(
     context_lens: torch.Tensor,  # [D] int32
     windows: list[int],  # per layer, 0 for none
     num_heads: int, num_kv_heads: int, head_size: int, intermediate_size: int, eps: float, scale: float,
+    mlp_act: int = 0,  # the MLP's activation: 0 silu, 1 gelu_tanh (llama_args.MLP_ACTS' index)
 ) -> torch.Tensor:
-    """Every decoder layer of a Llama-family CPU step in one compiled call (csrc/cpu/decode_layers.cpp): the
-    residual stream after the last layer, [T, hidden], bit-identical to the eager layers'. CPU, compiled only."""
-    return _load().llama_decode_layers(embeddings, positions, cos_sin, weights, key_caches, value_caches,
+    """Every decoder layer of a CPU step in one compiled call (csrc/cpu/decode_layers.cpp), for any family of the
+    spec: the residual stream after the last layer, [T, hidden], bit-identical to the eager layers'. CPU, compiled
+    only."""
+    return _load().llama_decode_layers(embeddings, positions, cos_sins, weights, key_caches, value_caches,
                                        slot_mapping, prefill_spans, prefill_tables, block_tables, context_lens,
                                        windows, num_heads, num_kv_heads, head_size, intermediate_size, float(eps),
-                                       float(scale))
+                                       float(scale), int(mlp_act))

@@ -37,6 +37,22 @@ def ref_silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.copy_(torch.nn.functional.silu(gate) * up)
 
 
+def ref_gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up in the input's dtype, as HF's gelu_pytorch_tanh(gate) * up rounds it (Gemma)."""
+    gate, up = x.chunk(2, dim=-1)
+    return out.copy_(torch.nn.functional.gelu(gate, approximate="tanh") * up)
+
+
+def ref_rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """Each head vector of x [num_tokens, num_heads, head_size] normed as ref_rms_norm does a row, in place."""
+    x.copy_(ref_rms_norm(torch.empty_like(x), x, weight, eps))
+
+
+def softcap_(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """Gemma 2's soft-capping in place, as HF computes it: x = tanh(x / cap) * cap (None: x unchanged)."""
+    return x if cap is None else x.div_(cap).tanh_().mul_(cap)
+
+
 def ref_rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """HF's x * cos + rotate_half(x) * sin in x's dtype, written back into x."""
     cos, sin = cos_sin_cache[positions].to(x.dtype).unsqueeze(1).chunk(2, dim=-1)  # [num_tokens, 1, head_size // 2]
@@ -133,9 +149,10 @@ def ref_paged_attention(
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> None:
     """Plain-torch paged decode attention, float32 math, one sequence at a time; with a window,
-    over the last sliding_window tokens only."""
+    over the last sliding_window tokens only; with a softcap, the scores capped first (Gemma 2)."""
     group = query.shape[1] // key_cache.shape[1]
     for i, n in enumerate(context_lens.tolist()):
         if n == 0:  # nothing cached: defined as zeros
@@ -146,7 +163,7 @@ def ref_paged_attention(
         def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_heads, n - start, head_size]
             return gather_context(cache, block_tables[i], n, start).float().repeat_interleave(group, dim=0)
 
-        scores = torch.einsum("hd,hnd->hn", query[i].float(), gather(key_cache)) * scale
+        scores = softcap_(torch.einsum("hd,hnd->hn", query[i].float(), gather(key_cache)) * scale, softcap)
         probs = torch.softmax(scores, dim=-1)  # softmax subtracts the max: safe
         out[i] = torch.einsum("hn,hnd->hd", probs, gather(value_cache)).to(out.dtype)
 
@@ -160,9 +177,11 @@ def ref_prefill_attention(
     context_len: int,
     scale: float,
     sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """SDPA in float32 over the gathered context, with GQA copies and a causal mask offset by the cached
-    prefix (and, with a window, cut to each query's last sliding_window tokens)."""
+    prefix (and, with a window, cut to each query's last sliding_window tokens); with a softcap (Gemma 2) the
+    scores are capped before the mask, as HF's eager attention does."""
     q_len, group = query.shape[0], query.shape[1] // key_cache.shape[1]
     start = window_start(context_len - q_len, sliding_window)  # the first query's window: nothing earlier is read
 
@@ -170,8 +189,12 @@ def ref_prefill_attention(
         return gather_context(cache, block_table, context_len, start).float().repeat_interleave(group, dim=0)
 
     mask = causal_window_mask(q_len, context_len, start, sliding_window, query.device)
-    attn = torch.nn.functional.scaled_dot_product_attention(
-        query.float().transpose(0, 1), gather(key_cache), gather(value_cache), attn_mask=mask, scale=scale)
+    q, k, v = query.float().transpose(0, 1), gather(key_cache), gather(value_cache)
+    if softcap is None:
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = softcap_(q @ k.transpose(1, 2) * scale, softcap).masked_fill_(~mask, float("-inf"))
+        attn = torch.softmax(scores, dim=-1) @ v
     return out.copy_(attn.transpose(0, 1))
 
 

@@ -151,10 +151,12 @@ class DecodeGraphs:
 
 def maybe_capture(model: torch.nn.Module, kv_caches: list, config: EngineConfig, device: torch.device,
                   tp_world_size: int) -> Optional[DecodeGraphs]:
-    """Graphs where they serve: CUDA, one rank, not --enforce-eager, a cache to capture against. A capture that
+    """Graphs where they serve: CUDA, one rank, not --enforce-eager, a cache to capture against, and no attention
+    soft-cap (Gemma 2: the ops' torch reference runs it, reading context lengths on the host). A capture that
     fails (an op of a model that cannot be captured, memory) leaves the engine eager, with a warning that says so."""
+    args = getattr(model, "args", None)
     if (device.type != "cuda" or config.enforce_eager or tp_world_size > 1 or not kv_caches
-            or kv_caches[0][0].numel() == 0):
+            or kv_caches[0][0].numel() == 0 or getattr(args, "attn_softcap", None) is not None):
         return None
     try:
         return DecodeGraphs.capture(model, kv_caches, config, device)

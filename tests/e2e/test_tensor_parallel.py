@@ -217,3 +217,37 @@ def test_nccl_world_of_one_gives_the_tokens_of_no_group(make_llm, tiny_llama_hd6
     reference = make_llm("tiny64", device="cuda").generate(
         prompt_token_ids=prompt_ids, sampling_params=greedy(12, ignore_eos=True), use_tqdm=False)
     assert got["tokens"] == [o.outputs[0].token_ids for o in reference]
+
+
+def _family_configs():
+    from transformers import Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    tiny = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return {
+        "qwen3": lambda: Qwen3Config(**tiny, head_dim=32, tie_word_embeddings=False),
+        "gemma3": lambda: Gemma3TextConfig(**tiny, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                           layer_types=["sliding_attention", "full_attention"]),
+        "phi3": lambda: Phi3Config(**tiny, sliding_window=8, tie_word_embeddings=False),
+    }
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "qwen3"])
+def test_two_ranks_give_the_tokens_of_one_for_each_family(family, tmp_path, default_model_dir, prompt_ids):
+    """Each family's spec under TP=2 (4 heads, 2 key/value heads): Qwen3's q/k norms and Gemma 3's (whole on every
+    rank), Gemma 3's norms of the row-parallel outputs after their all-reduce, Phi-3's fused checkpoint tensors
+    split into each rank's q/k/v and gate/up rows."""
+    from engine import LLM
+    from tiny_models import save_random_model
+
+    folder = save_random_model(_family_configs()[family](), tmp_path, default_model_dir)
+    params = greedy(MAX_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = {}
+    for size in (1, 2):
+        llm = LLM(model=str(folder), tensor_parallel_size=size, **ROOMY)
+        try:
+            outputs[size] = llm.generate(prompt_token_ids=prompt_ids[:4], sampling_params=params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    assert token_ids(outputs[2]) == token_ids(outputs[1])
+    assert max(abs(x - y) for a, b in zip(outputs[1], outputs[2]) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-3

@@ -1,6 +1,7 @@
 """The compiled step (csrc/cpu/decode_layers.cpp) against the eager layers: the same tokens and bit-identical
-logprobs on every Llama-family variant the model serves (GQA, Qwen2's qkv bias, Llama's attention and MLP biases,
-Mistral's sliding window), in float32 and bfloat16, for decode steps, prefills (with and without a cached prefix)
+logprobs on every family the one decoder serves (GQA, Qwen2's qkv bias, Llama's attention and MLP biases,
+Mistral's sliding window, Qwen3's q/k norms, Gemma 3's four norms, GELU-tanh MLP, interleaved windows and per-layer
+RoPE, Phi-3's fused checkpoint), in float32 and bfloat16, for decode steps, prefills (with and without a cached prefix)
 and chunked prefill's mixed steps, with the MLP's gate/up linear and activation fused or (a width off the 16-column
 blocks) not; and the eager path taken wherever the compiled one does not serve."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from engine import ops
 from engine.llm import LLM
@@ -25,6 +26,13 @@ ARCHITECTURES = {
     "llama-biases": lambda: LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
     "qwen2-qkv-bias": lambda: Qwen2Config(**TINY, use_sliding_window=False),
     "mistral-window": lambda: MistralConfig(**TINY, sliding_window=8),
+    "qwen3-qk-norm": lambda: Qwen3Config(**TINY, head_dim=32),
+    "gemma3-interleaved": lambda: Gemma3TextConfig(
+        **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}),
+    "phi3-fused": lambda: Phi3Config(**TINY, pad_token_id=0, eos_token_id=1, bos_token_id=1),
 }
 PROMPT_LENS = [1, 5, 13, 30]  # a decode batch of 4 rows, contexts crossing the 8-token window and 16-token blocks
 
@@ -133,6 +141,18 @@ def test_a_prefill_longer_than_the_mlps_row_pass_equals_eager_bit_for_bit(model_
     if plan.max_rows >= 600:  # the small-row kernel serves the prefill's rows (float32 on AVX-512)
         assert plan.steps_run == 20, "the 600-token prefill step ran compiled"
     _assert_bit_identical(compiled, eager)
+
+
+def test_gemma2_attention_softcaps_run_eagerly(tmp_path, default_model_dir):
+    """Gemma 2's attention soft-cap has no kernel in the compiled loop (the ops' reference runs it): no plan, every
+    step eager, the same tokens as --enforce-eager."""
+    config = Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    folder = save_random_model(config, tmp_path, default_model_dir, seed=5)
+    outputs, plan, _ = _run(folder, "float32", enforce_eager=False)
+    eager, _, _ = _run(folder, "float32", enforce_eager=True)
+    assert plan is None
+    _assert_bit_identical(outputs, eager)
 
 
 def test_an_engine_reset_frees_the_old_kv_cache_after_compiled_steps(model_dir):

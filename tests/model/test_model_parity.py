@@ -1,4 +1,6 @@
-"""Our model on the paged cache equals HF transformers: flattened prefill of mixed lengths, then paged decodes."""
+"""Our model on the paged cache equals HF transformers: flattened prefill of mixed lengths, then paged decodes; for
+every family the one decoder serves (its per-architecture spec: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3), with
+sliding windows shorter than the prompts and GQA."""
 from __future__ import annotations
 
 import math
@@ -6,7 +8,8 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config)
 
 from tiny_models import save_random_model, tiny_llama_config
 from engine.config import EngineConfig
@@ -34,7 +37,23 @@ CONFIGS = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32, "rope_theta": 500000.0}),
     "mha-head-dim-32": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, num_attention_heads=2, num_key_value_heads=2),
+    # Qwen3: q/k norms before RoPE, an explicit head_dim (not hidden / heads), no bias.
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+    # Gemma 3: x * (1 + w) norms, four a layer, q/k norms, query_pre_attn_scalar, GELU-tanh, scaled and tied
+    # embeddings; a sliding layer (window 8, its own RoPE base) before a global one (its own base and linear
+    # scaling); a final soft-cap.
+    "gemma3-window-8": lambda: Gemma3TextConfig(**TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                                layer_types=["sliding_attention", "full_attention"],
+                                                rope_parameters=GEMMA3_ROPE, final_logit_softcapping=30.0),
+    # Gemma 2: attention and final logit soft-caps (small caps, so that they bite), a windowed layer.
+    "gemma2-softcaps": lambda: Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                            attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    # Phi-3: the checkpoint's fused qkv_proj and gate_up_proj, a window on every layer.
+    "phi3-window-8": lambda: Phi3Config(**TINY, sliding_window=8, tie_word_embeddings=False, pad_token_id=0,
+                                        eos_token_id=1, bos_token_id=1),
 }
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -63,9 +82,25 @@ def check_parity(loaded, hf_model, prompts: list[list[int]], decode_steps: int, 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def model_pair(request, tmp_path_factory, default_model_dir):
     folder = save_random_model(CONFIGS[request.param](), tmp_path_factory.mktemp(request.param), default_model_dir)
+    _randomize_norms_and_biases(folder)
     loaded = load_model(EngineConfig(model=str(folder), device="cpu", dtype="float32"))
-    hf_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf_model = hf_eager(folder)
     return loaded, hf_model
+
+
+def hf_eager(folder):
+    """HF's model with its eager attention: the one that applies Gemma 2's soft-cap."""
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def _randomize_norms_and_biases(folder) -> None:
+    """HF initialises norms and biases to constants (Gemma's norm weights to 0): make them count."""
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    for name, p in model.named_parameters():
+        if name.endswith("bias") or "norm" in name:
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(folder))
 
 
 def test_tiny_models_match_hf(model_pair):
@@ -106,13 +141,40 @@ def test_prefill_with_cached_prefix_equals_full_prefill(model_pair):
     torch.testing.assert_close(logits[0], logits[1], atol=ATOL, rtol=RTOL)
 
 
-def test_unsupported_rope_scaling_is_refused(tmp_path, default_model_dir):
+def test_unsupported_rope_is_refused(tmp_path, default_model_dir):
     from engine.model_executor.models.llama import LlamaForCausalLM
 
-    config = tiny_llama_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                                "short_factor": [1.0] * 8, "long_factor": [1.0] * 8})
-    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported"):
+    config = tiny_llama_config(rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope scaling type 'proportional' is not supported"):
         LlamaForCausalLM(config)
+    partial = Phi3Config(**TINY, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LlamaForCausalLM(partial)
+
+
+def test_llama3_rope_matches_hf_far_beyond_original_max_position_embeddings(tmp_path, default_model_dir):
+    """llama3 RoPE scaling (original_max_position_embeddings 32): a 100-token prompt and its decodes, 3x past it."""
+    folder = save_random_model(CONFIGS["rope-llama3"](), tmp_path, default_model_dir)
+    loaded = load_model(EngineConfig(model=str(folder), device="cpu", dtype="float32"))
+    check_parity(loaded, hf_eager(folder), _prompts(SMALL_VOCAB, [100], seed=5), decode_steps=3)
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.5 * i for i in range(8)]}
+
+
+@pytest.mark.parametrize("max_model_len,lengths", [(32, [5, 17, 27]), (None, [33, 40])], ids=["short", "long"])
+def test_phi3_longrope_matches_hf(tmp_path, default_model_dir, max_model_len, lengths):
+    """longrope (Phi-3.5's "su"): the short factors where the server serves at most original_max_position_embeddings
+    (32) tokens, the long ones (and HF's attention factor) where it serves more, as vLLM chooses
+    (engine/model_executor/models/rope.py): HF's numbers wherever HF's whole sequence is on the same side of 32."""
+    config = Phi3Config(**TINY, rope_parameters=dict(LONGROPE), original_max_position_embeddings=32,
+                        tie_word_embeddings=False, pad_token_id=0,
+                        eos_token_id=1, bos_token_id=1)
+    folder = save_random_model(config, tmp_path, default_model_dir)
+    loaded = load_model(EngineConfig(model=str(folder), device="cpu", dtype="float32", max_model_len=max_model_len))
+    check_parity(loaded, hf_eager(folder), _prompts(SMALL_VOCAB, lengths, seed=6), decode_steps=2)
 
 
 @pytest.fixture(scope="module")

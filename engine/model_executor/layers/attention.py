@@ -56,10 +56,11 @@ class Attention(torch.nn.Module):
     Mistral mask); cache blocks wholly before that are never read, so the block manager may release them."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
-                 sliding_window: Optional[int] = None) -> None:
+                 sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size, self.scale = num_heads, num_kv_heads, head_size, scale
         self.sliding_window = sliding_window
+        self.softcap = softcap  # Gemma 2: scores = tanh(scores / softcap) * softcap (the ops' reference runs it)
 
     def forward(
         self,
@@ -74,9 +75,9 @@ class Attention(torch.nn.Module):
         out = torch.empty_like(query)
         n_pre = meta.num_prefill_tokens
         if meta.prefills:
-            if meta.prefill_batch is not None and self.sliding_window is None:
+            if meta.prefill_batch is not None and self.sliding_window is None and self.softcap is None:
                 out[:n_pre] = meta.prefill_batch.run(query[:n_pre], key[:n_pre], value[:n_pre], self.scale)
-            elif query.is_cuda:
+            elif query.is_cuda and self.softcap is None:
                 for span in meta.prefills:
                     out[span.start:span.end] = self._prefill_sdpa(query, key, value, kv_cache, span)
             else:
@@ -85,7 +86,7 @@ class Attention(torch.nn.Module):
         if meta.num_decode_tokens:
             ops.paged_attention(
                 out[n_pre:], query[n_pre:], kv_cache[0], kv_cache[1],
-                meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window,
+                meta.decode_block_tables, meta.decode_context_lens, self.scale, self.sliding_window, self.softcap,
             )
         return out
 
@@ -98,7 +99,8 @@ class Attention(torch.nn.Module):
             table = _ONE_BLOCK
         else:  # the blocks hold the prefix and, just written, this step's K/V
             k, v, table = kv_cache[0], kv_cache[1], span.block_table
-        ops.prefill_attention(out[rows], query[rows], k, v, table, span.context_len, self.scale, self.sliding_window)
+        ops.prefill_attention(out[rows], query[rows], k, v, table, span.context_len, self.scale, self.sliding_window,
+                              self.softcap)
 
     def _prefill_sdpa(self, query, key, value, kv_cache: Optional[KVCache], span: PrefillSpan) -> torch.Tensor:
         q = query[span.start:span.end].transpose(0, 1)  # [num_heads, q_len, head_size]

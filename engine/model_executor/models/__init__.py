@@ -1,9 +1,23 @@
-"""Model architectures that run on the paged KV cache."""
+"""Model architectures that run on the paged KV cache: every one is the one decoder (models/llama.py) driven by its
+per-architecture spec (models/llama_args.py)."""
 from __future__ import annotations
 
-# HF `architectures` / `model_type` names -> our class. All are the Llama family.
-_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+# HF `architectures` / `model_type` names -> our class, the one decoder. Gemma3ForConditionalGeneration: the text
+# model inside the multimodal checkpoint (text_config below; its weights under language_model.).
+_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM"}
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}
+
+
+def text_config(hf_config):
+    """The config the decoder reads: a multimodal checkpoint's text model's (Gemma 3's text_config, its
+    architectures kept so that get_model_class names it), else the config itself."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if "Gemma3ForConditionalGeneration" in archs and getattr(hf_config, "text_config", None) is not None:
+        text = hf_config.text_config
+        text.architectures = list(archs)
+        return text
+    return hf_config
 
 
 def get_model_class(hf_config):
@@ -18,4 +32,4 @@ def get_model_class(hf_config):
     raise ValueError(f"Model architecture {archs or model_type!r} is not supported; supported: {supported}.")
 
 
-__all__ = ["get_model_class"]
+__all__ = ["get_model_class", "text_config"]

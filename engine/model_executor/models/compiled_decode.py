@@ -21,7 +21,7 @@ under $PAGEDSERVE_CACHE, with its progress line at the first build).
 The plan holds the tensors the loop reads (weights and the rotary table's owner), never the model: the model keeps
 its plan (LlamaForCausalLM.compiled_plan). Use (LlamaForCausalLM.forward, each step):
 
-    plan = CompiledDecode.build(layers, layer_windows, rms_norm_eps)  # None: these layers cannot run compiled
+    plan = CompiledDecode.build(layers, args)  # None: these layers cannot run compiled
     if plan is not None and plan.serves(x, kv_caches, meta):
         hidden = plan(x, positions, kv_caches, meta)
 """
@@ -35,8 +35,9 @@ from torch import nn
 from engine import ops
 from engine.model_executor.layers.attention import AttentionMetadata, KVCache
 from engine.model_executor.layers.cpu_linear import small_rows_weight
+from engine.model_executor.models.llama_args import MLP_ACTS, ModelArgs
 
-_NO_BIAS = torch.empty(0)
+_NO_BIAS = torch.empty(0)  # an absent bias or norm
 _NO_TABLE = torch.empty(0, dtype=torch.int32)  # a prefill span without a cached prefix; no decode context lengths
 _NO_TABLES = torch.empty(0, 1, dtype=torch.int32)  # no decode tokens
 
@@ -44,24 +45,25 @@ _NO_TABLES = torch.empty(0, 1, dtype=torch.int32)  # no decode tokens
 class CompiledDecode:
     """The tensors llama_decode_layers reads, gathered once from a packed model's layers, and the test for a step."""
 
-    def __init__(self, layers: Sequence[nn.Module], layer_windows: Sequence[Optional[int]], rms_norm_eps: float,
-                 weights: list[torch.Tensor], max_rows: int) -> None:
+    def __init__(self, layers: Sequence[nn.Module], args: ModelArgs, weights: list[torch.Tensor],
+                 max_rows: int) -> None:
         attn = layers[0].self_attn
-        self.rotary = attn.rotary  # the cos/sin table's owner (built on first use on a device)
+        self.rotaries = [layer.self_attn.rotary for layer in layers]  # the cos/sin tables' owners (built on first use)
         self.weights = weights
         self.max_rows = max_rows  # the fewest rows any linear's small-row kernel serves
-        self.windows = [0 if w is None else int(w) for w in layer_windows]
+        self.windows = [0 if w is None else int(w) for w in args.layer_windows]
         self.shape = (attn.heads, attn.kv_heads, attn.head_dim, layers[0].mlp.inter)
-        self.eps, self.scale = float(rms_norm_eps), float(attn.attn.scale)
+        self.eps, self.scale = float(args.rms_norm_eps), float(attn.attn.scale)
+        self.mlp_act = MLP_ACTS.index(args.mlp_act)
         self.steps_run = 0  # forwards this plan ran (tests check that the fast path was taken)
 
     @classmethod
-    def build(cls, layers: Sequence[nn.Module], layer_windows: Sequence[Optional[int]],
-              rms_norm_eps: float) -> Optional["CompiledDecode"]:
-        """The plan of a Llama-family model's decoder layers (LlamaBlock), or None while they cannot run compiled:
-        a linear not on the small-row kernel (not packed yet, or oneDNN only), tensor parallelism, or not the
-        compiled CPU backend."""
-        if layers[0].self_attn.tp.world_size != 1 or ops.backend() is not ops.OpsBackend.COMPILED_CPU:
+    def build(cls, layers: Sequence[nn.Module], args: ModelArgs) -> Optional["CompiledDecode"]:
+        """The plan of the decoder's layers (LlamaBlock, any family of the spec), or None while they cannot run
+        compiled: a linear not on the small-row kernel (not packed yet, or oneDNN only), tensor parallelism, not
+        the compiled CPU backend, or a spec the loop has no kernel for (Gemma 2's attention soft-capping)."""
+        if layers[0].self_attn.tp.world_size != 1 or ops.backend() is not ops.OpsBackend.COMPILED_CPU \
+                or args.attn_softcap is not None or args.mlp_kind != "dense":
             return None
         weights, max_rows = [], None
         for layer in layers:
@@ -73,13 +75,15 @@ class CompiledDecode:
             rows = min(r for _, r in small)
             max_rows = rows if max_rows is None else min(max_rows, rows)
             (qkv, _), (o, _), (gate_up, _), (down, _) = small
+            # csrc/cpu/decode_layers.cpp's Slot order
             weights += [
-                layer.input_layernorm.weight, qkv, _bias(attn.qkv_proj), o, _bias(attn.o_proj),
-                layer.post_attention_layernorm.weight, gate_up, _bias(mlp.gate_up_proj), down, _bias(mlp.down_proj),
+                layer.input_layernorm.weight, qkv, _bias(attn.qkv_proj), _norm(attn.q_norm), _norm(attn.k_norm),
+                o, _bias(attn.o_proj), _norm(layer.attn_out_norm), layer.pre_mlp_norm.weight,
+                gate_up, _bias(mlp.gate_up_proj), down, _bias(mlp.down_proj), _norm(layer.mlp_out_norm),
             ]
         if max_rows is None or len(weights) != len(layers) * ops.decode_layer_slots():
             return None
-        return cls(layers, layer_windows, rms_norm_eps, [w.detach() for w in weights], max_rows)
+        return cls(layers, args, [w.detach() for w in weights], max_rows)
 
     def serves(self, x: torch.Tensor, kv_caches: Optional[list[KVCache]], meta: AttentionMetadata) -> bool:
         """Whether this step is one the compiled loop runs: on a real CPU cache, every linear on the small-row
@@ -111,12 +115,16 @@ class CompiledDecode:
         # Split per step (~60 list items: microseconds), not cached on the plan: a cached split would keep an engine
         # reset's old KV cache alive after LLMEngine.reset dropped it, next to the new one.
         return ops.llama_decode_layers(
-            x, positions, self.rotary.table(x.device), self.weights, [c[0] for c in kv_caches],
+            x, positions, [r.table(x.device) for r in self.rotaries], self.weights, [c[0] for c in kv_caches],
             [c[1] for c in kv_caches], meta.slot_mapping, spans, tables,
             meta.decode_block_tables if decoding else _NO_TABLES, meta.decode_context_lens if decoding else _NO_TABLE,
-            self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale,
+            self.windows, heads, kv_heads, head_dim, inter, self.eps, self.scale, self.mlp_act,
         )
 
 
 def _bias(linear: nn.Linear) -> torch.Tensor:
     return _NO_BIAS if linear.bias is None else linear.bias
+
+
+def _norm(norm: Optional[nn.Module]) -> torch.Tensor:
+    return _NO_BIAS if norm is None else norm.weight

@@ -1,4 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) on a flattened, unpadded batch and the paged KV cache."""
+"""The one decoder of every family pagedserve serves (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3; SmolLM2 is a Llama) on a
+flattened, unpadded batch and the paged KV cache, driven by the per-architecture spec (llama_args.ModelArgs): a family
+is its spec plus its weight-name map (llama_weights.py), never a copy of this file."""
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -12,54 +14,9 @@ from engine.model_executor.layers import cpu_linear
 from engine.model_executor.layers.attention import Attention, AttentionMetadata, KVCache
 from engine.distributed.group import TPGroup
 from engine.model_executor.models.compiled_decode import CompiledDecode
-from engine.model_executor.models.llama_args import ModelArgs
+from engine.model_executor.models.llama_args import MLP_ACTS, ModelArgs
+from engine.model_executor.models.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_inv_freq  # noqa: F401
 import engine.model_executor.models.llama_weights as llama_weights
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-
-
-def rope_inv_freq(hf_config, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies [head_dim // 2] and the cos/sin scale, as HF computes them for the config."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
-    with torch.device("cpu"):  # the model may be built under torch.device("meta")
-        return _inv_freq(hf_config, rope_type, params, head_dim, max_len)
-
-
-def _inv_freq(hf_config, rope_type: str, params: dict, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (base**exponent), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    # dynamic NTK is frozen at the longest length we serve (HF rescales per batch, which a cache cannot follow).
-    seq_len = max(max_len, getattr(hf_config, "max_position_embeddings", max_len)) if rope_type == "dynamic" else None
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), seq_len=seq_len)
-    return inv_freq.float(), float(scale)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves) from a cos/sin table built on first use on the model's device."""
-
-    def __init__(self, inv_freq: torch.Tensor, scale: float, max_len: int) -> None:
-        super().__init__()
-        self.inv_freq, self.scale, self.max_len = inv_freq, scale, max_len
-        self._cos_sin: Optional[torch.Tensor] = None  # [max_len, head_dim] float32: cos halves | sin halves
-
-    def table(self, device: torch.device) -> torch.Tensor:  # [max_len, head_dim] float32
-        if self._cos_sin is None or self._cos_sin.device != device:
-            t = torch.arange(self.max_len, dtype=torch.float32, device="cpu")
-            freqs = torch.outer(t, self.inv_freq)  # [max_len, head_dim // 2]
-            self._cos_sin = torch.cat([freqs.cos() * self.scale, freqs.sin() * self.scale], dim=-1).to(device)
-        return self._cos_sin
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> None:
-        # positions: [num_tokens]; x: [num_tokens, heads, head_dim], rotated in place with HF's arithmetic.
-        ops.rotary_embedding(positions, x, self.table(x.device))
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
@@ -83,43 +40,52 @@ class LlamaAttention(nn.Module):
     def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
                  sliding_window: Optional[int], tp: TPGroup) -> None:
         super().__init__()
-        self.tp = tp
+        self.tp, self.eps = tp, a.rms_norm_eps
         self.heads, self.kv_heads = a.num_heads // tp.world_size, a.local_kv_heads(tp.world_size)
         self.head_dim = a.head_dim
         self.q_size, self.kv_size = self.heads * a.head_dim, self.kv_heads * a.head_dim
         # q, k and v in one matmul: fewer, larger GEMMs are faster on CPU and GPU alike.
         self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias, dtype=dtype)
+        # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE (weights [head_dim], whole on every rank)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype) if a.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.heads, self.kv_heads, a.head_dim, scale=a.head_dim**-0.5,
-                              sliding_window=sliding_window)
+        self.attn = Attention(self.heads, self.kv_heads, a.head_dim, scale=a.attn_scale,
+                              sliding_window=sliding_window, softcap=a.attn_softcap)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Optional[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:  # x: [num_tokens, hidden]; positions: [num_tokens]
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.heads + self.kv_heads, self.head_dim)
-        self.rotary(positions, qk)  # q and k rotated together, in place
         # Strided views, no copies: the cache and attention ops only need each head's vector contiguous.
         q, k = qk[:, : self.heads], qk[:, self.heads :]
+        if self.q_norm is not None:
+            ops.rms_norm_heads(q, self.q_norm.weight, self.eps)
+            ops.rms_norm_heads(k, self.k_norm.weight, self.eps)
+        self.rotary(positions, qk)  # q and k rotated together, in place
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)  # [num_tokens, heads, head_dim]
         return self.tp.all_reduce(self.o_proj(out.view(t, self.q_size)))  # each rank's heads' share, summed
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU over this rank's columns: gate_up_proj column-parallel, down_proj row-parallel (+ all-reduce)."""
+    """A gated MLP (SwiGLU; Gemma's GELU-tanh) over this rank's columns: gate_up_proj column-parallel, down_proj
+    row-parallel (+ all-reduce)."""
 
     def __init__(self, a: ModelArgs, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
+        self.act = ops.gelu_tanh_and_mul if a.mlp_act == "gelu_tanh" else ops.silu_and_mul
+        self.act_index = MLP_ACTS.index(a.mlp_act)  # the compiled step's encoding
         self.inter = a.intermediate_size // tp.world_size
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias, dtype=dtype)
         self.down_proj = nn.Linear(self.inter, a.hidden_size, bias=a.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden]
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * inter]: gate | up
-        act = ops.silu_and_mul(gate_up.new_empty(x.shape[0], self.inter), gate_up)
+        act = self.act(gate_up.new_empty(x.shape[0], self.inter), gate_up)
         return self.tp.all_reduce(self.down_proj(act))
 
 
@@ -127,10 +93,28 @@ class LlamaBlock(nn.Module):
     def __init__(self, a: ModelArgs, rotary: RotaryEmbedding, dtype: torch.dtype,
                  sliding_window: Optional[int], tp: TPGroup) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        norm = lambda: RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window, tp)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm()
         self.mlp = LlamaMLP(a, dtype, tp)
+        # Gemma (sandwich_norms): post_attention_layernorm norms the attention output, pre/post_feedforward_layernorm
+        # the MLP's input and output. The roles below name them (Llama's post_attention_layernorm is its pre-MLP norm).
+        self.sandwich = a.sandwich_norms
+        if a.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    @property
+    def attn_out_norm(self) -> Optional[RMSNorm]:  # the attention output's norm before its residual add (Gemma)
+        return self.post_attention_layernorm if self.sandwich else None
+
+    @property
+    def pre_mlp_norm(self) -> RMSNorm:
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    @property
+    def mlp_out_norm(self) -> Optional[RMSNorm]:  # the MLP output's norm before its residual add (Gemma)
+        return self.post_feedforward_layernorm if self.sandwich else None
 
     def forward(
         self,
@@ -146,8 +130,11 @@ class LlamaBlock(nn.Module):
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
         x = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
-        return self.mlp(x), residual
+        if self.attn_out_norm is not None:
+            x = self.attn_out_norm(x)
+        x, residual = self.pre_mlp_norm.add_and_norm(x, residual)
+        x = self.mlp(x)
+        return (x if self.mlp_out_norm is None else self.mlp_out_norm(x)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32, max_len: Optional[int] = None,
-                 tp: Optional[TPGroup] = None) -> None:
+                 tp: Optional[TPGroup] = None, serve_len: Optional[int] = None) -> None:
         super().__init__()
         a = self.args = ModelArgs.from_hf(hf_config)
         self.tp = tp = tp or TPGroup.single()
@@ -166,13 +153,16 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start, self.vocab_end = tp.shard(a.vocab_size)
         self.dtype = dtype
         max_len = max_len or getattr(hf_config, "max_position_embeddings", 2048)
-        inv_freq, scale = rope_inv_freq(hf_config, a.head_dim, max_len)
-        self.rotary = RotaryEmbedding(inv_freq.to("cpu"), scale, max_len)
+        # One RoPE per kind of layer (Gemma 3's sliding and global layers each have theirs), shared by its layers.
+        self.rotaries = {key: RotaryEmbedding(*rope_inv_freq(hf_config, a.head_dim, max_len, key, serve_len),
+                                              max_len) for key in dict.fromkeys(a.layer_rope)}
+        self.rotary = self.rotaries[a.layer_rope[0]]
         local_vocab = self.vocab_end - self.vocab_start
         # _weight: no random init (on the meta device torch's normal_ imports torch._dynamo and triton: +100 MiB RSS).
         self.embed_tokens = nn.Embedding(local_vocab, a.hidden_size, dtype=dtype,
                                          _weight=torch.empty(local_vocab, a.hidden_size, dtype=dtype))
-        self.layers = nn.ModuleList(LlamaBlock(a, self.rotary, dtype, w, tp) for w in a.layer_windows)
+        self.layers = nn.ModuleList(LlamaBlock(a, self.rotaries[r], dtype, w, tp)
+                                    for w, r in zip(a.layer_windows, a.layer_rope))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(a.hidden_size, local_vocab, bias=False, dtype=dtype)
         self.tie_weights()
@@ -214,10 +204,16 @@ class LlamaForCausalLM(nn.Module):
         parallelism, oneDNN-only linears). The packers (cpu_linear.pack_linears, engine/model_executor/layers/quant.py) run once, before
         the first forward (engine/model_executor/loader.py), so a kept plan never reads weights they replaced."""
         if self._compiled_plan is None:
-            self._compiled_plan = CompiledDecode.build(self.layers, self.args.layer_windows, self.args.rms_norm_eps)
+            self._compiled_plan = CompiledDecode.build(self.layers, self.args)
         return self._compiled_plan
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        x = self._embed(input_ids)
+        if self.args.embed_scale is not None:  # Gemma: HF multiplies by sqrt(hidden) rounded to the dtype
+            x.mul_(torch.tensor(self.args.embed_scale, dtype=x.dtype))
+        return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return self.embed_tokens(input_ids)
         # Vocab-parallel: each rank looks up the ids in its slice, zeros the others' rows; the sum has them all.
@@ -232,12 +228,14 @@ class LlamaForCausalLM(nn.Module):
         the other ranks, which only take part. `out`: a [num_rows, vocab] float32 buffer the head may write into
         (one rank only); use the returned tensor."""
         out = out if self.tp.world_size == 1 else None
-        return self.tp.gather_cols(cpu_linear.forward_float32(self.lm_head, self.norm(hidden), out))
+        logits = self.tp.gather_cols(cpu_linear.forward_float32(self.lm_head, self.norm(hidden), out))
+        return logits if logits is None else ops.softcap_(logits, self.args.final_softcap)
 
     def serves_greedy(self, rows: int, dtype: torch.dtype, device: torch.device) -> bool:
         """compute_greedy serves `rows` rows of hidden states (dtype, device): one rank, and a head whose
         small-row kernel serves them (cpu_linear.serves_head_stats)."""
-        return self.tp.world_size == 1 and cpu_linear.serves_head_stats(self.lm_head, rows, dtype, device)
+        return self.tp.world_size == 1 and self.args.final_softcap is None \
+            and cpu_linear.serves_head_stats(self.lm_head, rows, dtype, device)
 
     def compute_greedy(self, hidden: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """[num_rows, hidden] -> per row (argmax, max logit, logsumexp) of compute_logits' logits without writing

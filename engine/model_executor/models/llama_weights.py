@@ -29,6 +29,37 @@ def _fused_targets(a: ModelArgs, tp: TPGroup, name: str) -> Optional[tuple[str, 
             return name.replace(hf_part, ours), offset, rows
     return None
 
+# Prefixes of a multimodal checkpoint's text model (Gemma3ForConditionalGeneration: transformers 4's names, then 5's);
+# its other towers have no place in a text decoder.
+_TEXT_PREFIXES = (("language_model.model.", ""), ("model.language_model.", ""), ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _checkpoint_name(hf_name: str) -> Optional[str]:
+    """Our name of a checkpoint tensor before fusing (layers.N.self_attn.q_proj.weight, ...), None to skip it."""
+    if "rotary_emb.inv_freq" in hf_name or hf_name.startswith(_OTHER_TOWERS):
+        return None
+    for prefix, ours in _TEXT_PREFIXES:
+        if hf_name.startswith(prefix):
+            return ours + hf_name[len(prefix):]
+    return hf_name.removeprefix("model.")
+
+
+def _unfused(a: ModelArgs, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused projections (Phi-3's qkv_proj and gate_up_proj) as the q/k/v and gate/up parts they
+    hold, so that one path fuses and shards every family's (the parts' rows in HF's order: q | k | v, gate | up)."""
+    q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    for fused, parts in ((".self_attn.qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+                         (".mlp.gate_up_proj.", (("gate_proj", inter), ("up_proj", inter)))):
+        if fused in f".{name}" and tensor.shape[0] == sum(rows for _, rows in parts):
+            start = 0
+            for part, rows in parts:
+                yield name.replace(fused.strip(".").split(".")[1], part), tensor[start:start + rows]
+                start += rows
+            return
+    yield name, tensor
+
+
 def _shard(tp: TPGroup, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a whole checkpoint tensor (our param name; the tensor itself at world_size 1).
 
@@ -61,10 +92,8 @@ def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterab
     """Copy HF state-dict tensors (model.layers.N.self_attn.q_proj.weight, ...) into our fused params."""
     params = dict(model.named_parameters())
     rows_loaded = dict.fromkeys(params, 0)
-    for hf_name, tensor in weights:
-        if "rotary_emb.inv_freq" in hf_name:
-            continue
-        name = hf_name.removeprefix("model.")
+    for hf_name, tensor in _named(args, weights):
+        name = hf_name
         if name == "lm_head.weight" and args.tie_word_embeddings:
             continue  # tied: the embedding is the head
         replica = _kv_replica(args, tp, name)
@@ -80,6 +109,18 @@ def load_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, weights: Iterab
     if missing:
         raise ValueError(f"checkpoint is missing or duplicates tensors for {len(missing)} params, e.g. {missing[:3]}.")
 
+def _named(args: ModelArgs, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under our names before fusing, fused ones split, norms as the one kernel scales:
+    x * (norm_offset + w) (Gemma's x * (1 + w)) is the weight plus the offset, added in float32 as HF does."""
+    for hf_name, tensor in weights:
+        name = _checkpoint_name(hf_name)
+        if name is None:
+            continue
+        if args.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor.float() + args.norm_offset
+        yield from _unfused(args, name, tensor)
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, seed: int = 0) -> None:
     """Random weights (benchmarks of big architectures with nothing to download); norms start at one.
@@ -88,8 +129,8 @@ def init_dummy_weights(model: nn.Module, args: ModelArgs, tp: TPGroup, seed: int
 
     def tensors() -> Iterable[tuple[str, torch.Tensor]]:
         for name, shape in _checkpoint_shapes(args):
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                yield name, torch.ones(shape)
+            if name.endswith("norm.weight"):
+                yield name, torch.full(shape, 1.0 - args.norm_offset)  # the norms' scale starts at one
             else:
                 yield name, torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02)
 
@@ -103,6 +144,12 @@ def _checkpoint_shapes(a: ModelArgs) -> Iterable[tuple[str, tuple[int, ...]]]:
         attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         yield f"layers.{i}.input_layernorm.weight", (h,)
         yield f"layers.{i}.post_attention_layernorm.weight", (h,)
+        if a.sandwich_norms:
+            yield f"layers.{i}.pre_feedforward_layernorm.weight", (h,)
+            yield f"layers.{i}.post_feedforward_layernorm.weight", (h,)
+        if a.qk_norm:
+            yield f"{attn}q_norm.weight", (a.head_dim,)
+            yield f"{attn}k_norm.weight", (a.head_dim,)
         for part, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             yield f"{attn}{part}.weight", (rows, h)
             if a.qkv_bias:
