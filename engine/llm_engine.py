@@ -22,6 +22,7 @@ from engine.sample.sampler import BatchParams, RowSamples, Sampler
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
+from engine.model_executor.chat_templates import generation_stop_ids
 from engine.structured_output.grammars import StructuredOutputs
 from engine.worker.tp_workers import TensorParallelError, TPWorkers
 from engine.worker.rank_state import RankState
@@ -83,6 +84,8 @@ class LLMEngine:
         self.model_runner.capture_graphs(self.cache_engine.device_cache)  # CUDA, one rank, not --enforce-eager
         num_device_blocks, num_cpu_blocks = self.cache_engine.num_device_blocks, self.cache_engine.num_cpu_blocks
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
+        # The model's other end-of-reply tokens (Gemma's <end_of_turn>): every request stops at them, as in vLLM.
+        self.extra_stop_ids = generation_stop_ids(config.model, self.tokenizer)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.seq_counter = itertools.count()
         self._structured: Optional[StructuredOutputs] = None
@@ -151,6 +154,9 @@ class LLMEngine:
         if self.fault_injector is not None:
             self.fault_injector(ADMISSION, [request_id])
         params = params if params is not None else SamplingParams()
+        extra = [t for t in self.extra_stop_ids if t not in params.stop_token_ids] if not params.ignore_eos else []
+        if extra:  # (a copy: params is read, never changed)
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt: either a prompt or prompt_token_ids is required.")

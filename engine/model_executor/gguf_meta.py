@@ -202,20 +202,34 @@ def gguf_tokenizer(path: Path, cache: Path):
         if json.loads((entry / "source.json").read_text()) == identity:
             from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(str(entry), local_files_only=True)
+            return _with_family_template(PreTrainedTokenizerFast.from_pretrained(str(entry), local_files_only=True),
+                                         path)
     except FileNotFoundError:
         pass
     except Exception as e:  # a damaged entry: convert again, and replace it
         logger.warning("the cached tokenizer in %s cannot be read (%s); converting %s's again", entry, e, path.name)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tokenizer = _with_family_template(
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True), path)
     if getattr(tokenizer, "_tokenizer", None) is not None:  # a fast tokenizer: what tokenizer.json holds
         try:
             _keep(tokenizer, identity, entry)
         except OSError as e:
             logger.warning("cannot keep %s's tokenizer under %s (%s): every start converts it again", path.name,
                            entry.parent, e)
+    return tokenizer
+
+
+def _with_family_template(tokenizer, path: Path):
+    """A file without tokenizer.chat_template gets its family's HF template (chat_templates.py), as the HF model's
+    tokenizer has it."""
+    if not getattr(tokenizer, "chat_template", None):
+        from engine.model_executor.chat_templates import family_chat_template
+
+        template = family_chat_template(read_metadata(path)[0].get("general.architecture"))
+        if template is not None:
+            tokenizer.chat_template = template
     return tokenizer
 
 
