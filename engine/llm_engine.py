@@ -13,7 +13,7 @@ from engine.worker.cache_engine import CacheEngine
 from engine.config import EngineConfig
 from engine.distributed.group import TPGroup, torchrun_env
 from engine.faults import ADMISSION, STAGES, FaultInjector, StepError, block_problems
-from engine.model_executor.loader import load_hf_config, resolve_device
+from engine.model_executor.loader import generation_stop_ids, load_hf_config, resolve_device
 from engine.model_executor.models.llama import ModelArgs
 from engine.output_processor import OutputProcessor, RowStops
 from engine.sample.prompt_logprobs import add_prompt_logprobs
@@ -22,7 +22,6 @@ from engine.sample.sampler import BatchParams, RowSamples, Sampler
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
-from engine.model_executor.chat_templates import generation_stop_ids
 from engine.structured_output.grammars import StructuredOutputs
 from engine.worker.tp_workers import TensorParallelError, TPWorkers
 from engine.worker.rank_state import RankState
