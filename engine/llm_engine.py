@@ -13,7 +13,7 @@ from engine.worker.cache_engine import CacheEngine
 from engine.config import EngineConfig
 from engine.distributed.group import TPGroup, torchrun_env
 from engine.faults import ADMISSION, STAGES, FaultInjector, StepError, block_problems
-from engine.model_executor.loader import load_hf_config, resolve_device
+from engine.model_executor.loader import generation_stop_ids, load_hf_config, resolve_device
 from engine.model_executor.models.llama import ModelArgs
 from engine.output_processor import OutputProcessor, RowStops
 from engine.sample.prompt_logprobs import add_prompt_logprobs
@@ -83,6 +83,8 @@ class LLMEngine:
         self.model_runner.capture_graphs(self.cache_engine.device_cache)  # CUDA, one rank, not --enforce-eager
         num_device_blocks, num_cpu_blocks = self.cache_engine.num_device_blocks, self.cache_engine.num_cpu_blocks
         self.eos_token_id: Optional[int] = self.tokenizer.eos_token_id
+        # The model's other end-of-reply tokens (Gemma's <end_of_turn>): every request stops at them, as in vLLM.
+        self.extra_stop_ids = generation_stop_ids(config.model, self.tokenizer)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.seq_counter = itertools.count()
         self._structured: Optional[StructuredOutputs] = None
@@ -151,6 +153,9 @@ class LLMEngine:
         if self.fault_injector is not None:
             self.fault_injector(ADMISSION, [request_id])
         params = params if params is not None else SamplingParams()
+        extra = [t for t in self.extra_stop_ids if t not in params.stop_token_ids] if not params.ignore_eos else []
+        if extra:  # (a copy: params is read, never changed)
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt: either a prompt or prompt_token_ids is required.")
@@ -166,7 +171,7 @@ class LLMEngine:
         seq = Sequence(next(self.seq_counter), list(prompt_token_ids))
         if params.guided is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.guided)
-            seq.grammar = self.structured.new_state(compiled)
+            seq.grammar = self.structured.new_state(compiled, params.guided_after)
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority, prompt)
         self.scheduler.add_seq_group(group)
 

@@ -65,6 +65,9 @@ class SamplingParams:
     bad_words_token_ids: Optional[list[list[int]]] = None
     # The output must match this (JSON schema, JSON object, regex, choice, grammar): engine/structured_output/grammars.py.
     guided: Optional[GuidedSpec] = None
+    # The grammar applies after the output's first run of these token ids (a reasoning parser's end marker,
+    # `</think>`): the reasoning before it is free. None: from the first token.
+    guided_after: Optional[tuple[int, ...]] = None
     max_logprobs: int = field(default=20, repr=False)  # -1: no bound
     # Report the request only when it has finished (vLLM's RequestOutputKind.FINAL_ONLY): no output is built and
     # delivered each step for a reader that takes the last one only (LLM.generate, a non-streamed HTTP request).
@@ -148,6 +151,9 @@ class SamplingParams:
             fail("logit_bias", "values must be in [-100, 100].")
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):
             fail("guided", f"must be a GuidedSpec, got {type(self.guided).__name__}.")
+        if self.guided_after is not None and (not self.guided_after
+                                              or any(not isinstance(t, int) or t < 0 for t in self.guided_after)):
+            fail("guided_after", "must be a non-empty sequence of token ids.")
         if self.use_beam_search:
             if self.guided is not None:
                 fail("use_beam_search", "cannot be combined with structured outputs (a JSON schema, regex, choice, "

@@ -88,6 +88,7 @@ def create_app(
     shutdown_timeout_s: float = 10.0,
     chat_template: Optional[str] = None,
     tool_call_parser: str = "hermes",
+    reasoning_parser: Optional[str] = None,
     enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` (an AsyncLLMEngine, or anything else that is an EngineClient)."""
@@ -100,6 +101,7 @@ def create_app(
         shutdown_timeout_s=shutdown_timeout_s,
         chat_template=chat_template,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
 

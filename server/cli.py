@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from engine.config import BLOCK_SIZES, EngineConfig, PreemptionMode, SchedulingPolicy
 from engine.platform.openmp import apply_serving_default
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tools import PARSERS
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default="hermes", choices=list(PARSERS),
                        help="how tool calls are written in the model's output (server/tools.py)")
+    serve.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                       help="split a chat reply's <think>...</think> out of its content into reasoning_content "
+                            "(deepseek_r1: the reply starts in its reasoning; qwen3: only inside a <think> it opens); "
+                            "tool calls and structured outputs apply to the content after it (server/reasoning.py)")
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="ranks that each hold 1/N of the model (torch.distributed: gloo on CPU, NCCL on CUDA); "
                             "started here, or by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: rank 0 "
@@ -157,7 +162,7 @@ def serve(args: argparse.Namespace) -> int:
     cut_after_s = max(0.0, args.shutdown_timeout - min(1.0, args.shutdown_timeout / 4))
     app = create_app(engine, api_key=api_key, served_model_name=config.model_name,
                      shutdown_timeout_s=cut_after_s, chat_template=chat_template,
-                     tool_call_parser=args.tool_call_parser,
+                     tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                      enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
                 engine.config.max_model_len)

@@ -100,6 +100,7 @@ class ServerContext:
     api_key: Optional[str] = None
     chat_template: Optional[str] = None  # --chat-template; None: the tokenizer's
     tool_call_parser: str = "hermes"  # --tool-call-parser (server/tools.py)
+    reasoning_parser: Optional[str] = None  # --reasoning-parser (server/reasoning.py); None: replies are content
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), as vLLM's flag
     shutdown_timeout_s: float = 10.0  # how long streams may outlive SIGTERM before the engine ends them
     created: int = field(default_factory=lambda: int(time.time()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from engine.sequence import CompletionOutput, Logprobs, RequestOutput
-from server import tools
+from server import reasoning, tools
 from server.errors import APIError
 from server.job import Job, JobKind
 from server.protocol import (
@@ -147,13 +147,16 @@ def full_response(
 
 
 def _chat_choice(tokenizer: Any, job: Job, c: CompletionOutput, index: int) -> ChatChoice:
-    content: Optional[str] = job.echo_text + c.text
+    text, thought = c.text, None
+    if job.reasoning is not None:  # tool calls and the echo go with the content after the reasoning
+        thought, text = reasoning.split(job.reasoning, c.text)
+    content: Optional[str] = job.echo_text + text if text is not None or job.echo_text else None
     calls: list = []
-    if job.tools is not None and c.finish_reason == "stop":
-        content, calls = tools.parse(job.tools, c.text)
+    if job.tools is not None and c.finish_reason == "stop" and text is not None:
+        content, calls = tools.parse(job.tools, text)
     return ChatChoice(
         index=index,
-        message=ChatResponseMessage(content=content, tool_calls=calls),
+        message=ChatResponseMessage(content=content, reasoning_content=thought, tool_calls=calls),
         logprobs=output_logprobs(tokenizer, job, c, 0, 0),
         finish_reason=tools.finish_reason(c.finish_reason, calls),
         stop_reason=c.stop_reason,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from server.reasoning import ReasoningPlan
     from server.tools import ToolPlan
 
 
@@ -43,6 +44,7 @@ class Job:
     cached_tokens_details: bool = False  # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     priority: int = 0
     tools: Optional["ToolPlan"] = None  # a chat with tools: how its calls are read back (server/tools.py)
+    reasoning: Optional["ReasoningPlan"] = None  # --reasoning-parser: how a chat reply splits (server/reasoning.py)
     guided_param: str = "response_format"  # the field a structured-output compile error names
     grammar: Any = None  # params.guided compiled (routes._serve), handed to the engine with every prompt
     engine_key: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -1,12 +1,13 @@
 """Request body -> Job: prompts as token ids, one SamplingParams, every check that makes a 400."""
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Optional, Union
 
 from engine.sampling_params import GuidedSpec, SamplingParams
-from server import guided, tools
+from server import guided, reasoning, tools
 from server.context import ServerContext
 from server.errors import APIError
 from server.job import Job, JobKind
@@ -74,8 +75,11 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (logprob_count(ctx, body.top_logprobs, "top_logprobs") or 0) if body.logprobs else None
     prompt_logprobs = logprob_count(ctx, body.prompt_logprobs, "prompt_logprobs")
+    reasoning_plan = reasoning.plan(ctx.reasoning_parser, text)
+    # A grammar (structured output, tool_choice) constrains the content after the reasoning, not the reasoning.
+    guided_after = reasoning_plan.gate(ctx.tokenizer) if reasoning_plan is not None and spec is not None else None
     params = sampling_params(ctx, body, [ids], max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                             guided_spec=spec)
+                             guided_spec=spec, guided_after=guided_after)
     last = body.messages[-1]
     echo_text = _content_text(last.content) if body.echo and last.role == "assistant" else ""
     return Job(
@@ -85,7 +89,7 @@ def chat_job(ctx: ServerContext, body: ChatCompletionRequest) -> Job:
         prompt_logprobs=prompt_logprobs, logprob_token_ids=body.logprob_token_ids,
         tokens_as_ids=body.return_tokens_as_token_ids, return_token_ids=body.return_token_ids,
         cached_tokens_details=ctx.enable_prompt_tokens_details, priority=body.priority, tools=tool_plan,
-        guided_param=guided_param,
+        reasoning=reasoning_plan, guided_param=guided_param,
     )
 
 
@@ -97,6 +101,11 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTe
     # Templates know system, not OpenAI's newer name for it (chat_messages maps it).
     plain, tool_kwargs = tools.chat_messages(messages, tool_plan, tools.template_renders_tools(template),
                                              _content_text)
+    if _iterates_content(template):  # it renders content parts itself (Gemma's): give them as parts, as HF would
+        shift = len(plain) - len(messages)  # (a system message chat_messages put first)
+        for m, item in zip(messages, plain[shift:]):
+            if isinstance(m.content, list) and item["content"] == _content_text(m.content):
+                item["content"] = [{"type": "text", "text": part.text} for part in m.content]
     if options.continue_final_message and options.add_generation_prompt:
         raise APIError("continue_final_message and add_generation_prompt cannot both be true.", 400,
                        "continue_final_message")
@@ -118,6 +127,15 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTe
         return ctx.tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
     except Exception as exc:  # a template may reject an order of roles, or raise_exception(...) on its own
         raise APIError(f"messages could not be rendered with the chat template: {exc}", 400, "messages") from exc
+
+
+_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+(?:message|msg|m)(?:\[['\"]content['\"]\]|\.content\b)")
+
+
+def _iterates_content(template: Optional[str]) -> bool:
+    """Whether the template loops over a message's content (list-of-parts content, vLLM's "openai" format); else
+    the parts are joined into one string ("string" format)."""
+    return bool(template) and _CONTENT_LOOP.search(template) is not None
 
 
 def _content_text(content: Union[str, list, None]) -> str:
@@ -238,6 +256,7 @@ def sampling_params(
     logprobs: Optional[int],
     prompt_logprobs: Optional[int] = None,
     guided_spec: Optional[GuidedSpec] = None,
+    guided_after: Optional[tuple[int, ...]] = None,
 ) -> SamplingParams:
     if body.stream and (body.use_beam_search or (body.best_of is not None and body.best_of != body.n)):
         raise APIError("best_of != n and use_beam_search are not supported with stream=true.", 400, "best_of")
@@ -269,7 +288,7 @@ def sampling_params(
             logprob_token_ids=body.logprob_token_ids,
             skip_special_tokens=body.skip_special_tokens, logit_bias=_logit_bias(ctx, body.logit_bias),
             allowed_token_ids=body.allowed_token_ids, bad_words_token_ids=_bad_words(ctx, body.bad_words),
-            max_logprobs=ctx.engine.config.max_logprobs, guided=guided_spec,
+            max_logprobs=ctx.engine.config.max_logprobs, guided=guided_spec, guided_after=guided_after,
             final_only=not body.stream,  # (a non-streamed response reads the finished output only)
         )
     except ValueError as exc:

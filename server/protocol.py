@@ -398,6 +398,8 @@ class ChatResponseMessage(BaseModel):
 
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    """--reasoning-parser: the reply's reasoning (its `<think>` block), apart from content (vLLM's field)."""
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -446,6 +448,8 @@ class ChatDelta(BaseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = Field(**_OMITTED_IF_NONE)
+    """--reasoning-parser: the reasoning this chunk adds (absent from chunks without any)."""
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

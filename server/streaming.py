@@ -14,7 +14,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from engine.frontend.async_engine import EngineDeadError, RequestFailedError
 from engine.sequence import RequestOutput
-from server import formatting, tools
+from server import formatting, reasoning, tools
 from server.errors import APIError, error_body
 from server.protocol import (
     ChatCompletionStreamResponse, ChatDelta, ChatLogprobs, ChatStreamChoice, CompletionStreamChoice,
@@ -155,6 +155,7 @@ class _ChoiceState:
     num_tokens: int = 0
     finished: bool = False
     tools: Optional[tools.ToolStream] = None  # a chat with tools: what of the text may go out
+    reasoning: Optional[reasoning.ReasoningStream] = None  # --reasoning-parser: the reply's split so far
 
 
 class _SSEResponse(EventSourceResponse):
@@ -229,14 +230,22 @@ def _choice_delta(
     text = c.text[state.text_len:]
     reason = c.finish_reason
     tool_deltas = None
+    thought = None
+    content = c.text  # the reply's content so far: all of it, or what follows the reasoning
+    if job.reasoning is not None:  # a tail that may be a <think> tag is held back (server/reasoning.py)
+        if state.reasoning is None:
+            state.reasoning = reasoning.ReasoningStream(job.reasoning)
+        thought, text = state.reasoning.feed(c.text, final=reason is not None)
+        content = state.reasoning.content
     if job.tools is not None:  # text that may be a tool call is held back (server/tools.py)
         if state.tools is None:
             state.tools = tools.ToolStream(job.tools)
-        text = state.tools.feed(c.text)
+        text = state.tools.feed(content)
         if reason is not None:
-            rest, deltas, reason = state.tools.finish(c.text, reason)
+            rest, deltas, reason = state.tools.finish(content, reason)
             text, tool_deltas = text + rest, deltas or None
-        state.text_len = len(c.text)  # what was held back is the ToolStream's to send
+    if job.reasoning is not None or job.tools is not None:
+        state.text_len = len(c.text)  # what was held back is the parsers' to send
     prefix = job.prompt_texts[i] if job.echo and job.kind is JobKind.COMPLETION and not state.started else ""
     logprobs = None
     if job.logprobs is not None and (len(c.token_ids) > state.num_tokens or prefix):
@@ -246,16 +255,17 @@ def _choice_delta(
             logprobs = formatting.concat_logprobs(formatting.echo_logprobs(tokenizer, job, out, i), logprobs)
     # return_token_ids: the ids this chunk adds (also when the text they make is still held back, as vLLM)
     token_ids = c.token_ids[state.num_tokens:] if job.return_token_ids else None
-    if not text and not prefix and reason is None and logprobs is None and not token_ids:
+    if not text and not thought and not prefix and reason is None and logprobs is None and not token_ids:
         return None
     first = not state.started
     state.started, state.text_len, state.num_tokens = True, len(c.text), len(c.token_ids)
     state.finished = reason is not None
     usage = _running_usage(job, i, len(c.token_ids))
     if job.kind is JobKind.CHAT:
-        if logprobs is None and tool_deltas is None and token_ids is None:  # the usual chunk, its JSON written directly
-            return chunks.chat(index, text, reason, c.stop_reason, usage)
-        delta = ChatDelta(content=text if text or tool_deltas is None else None, tool_calls=tool_deltas)
+        if logprobs is None and tool_deltas is None and token_ids is None and not thought:
+            return chunks.chat(index, text, reason, c.stop_reason, usage)  # the usual chunk, its JSON written directly
+        delta = ChatDelta(content=text if text or (tool_deltas is None and not thought) else None,
+                          reasoning_content=thought or None, tool_calls=tool_deltas)
         chat_chunk = _chat_chunk(job, index, delta, logprobs, reason, c.stop_reason, usage)
         chat_chunk.choices[0].token_ids = token_ids
         return chat_chunk.model_dump_json()

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.model_executor.gguf_q8 import _ARRAY, _HeaderReader
+from engine.model_executor.gguf_q8 import _ARRAY, _SCALARS, _HeaderReader
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,21 @@ _DEFAULTS = {
     "mixtral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None),
 }
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Newer families: the mapped fields go through transformers' own config class (its import is light: no sympy), so
+# their defaults and derived fields (Gemma 3's layer_types and per-type RoPE) are HF's. model_type as transformers
+# names the text model; the extra GGUF keys each reads beyond _FIELDS.
+_CONFIG_CLASSES = {"qwen3": ("qwen3", "Qwen3Config"), "gemma3": ("gemma3_text", "Gemma3TextConfig"),
+                   "phi3": ("phi3", "Phi3Config")}
+_EXTRA_FIELDS = {
+    # transformers reads no head_dim for qwen3 (Qwen3Config then says 128): llama.cpp writes it as key_length
+    "qwen3": {"attention.key_length": "head_dim"},
+    "gemma3": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "phi3": {"attention.sliding_window": "sliding_window",
+             "rope.scaling.original_context_length": "original_max_position_embeddings"},
+}
 CACHE_FORMAT = 1  # bump when what a cache entry holds changes
+_SMALL_ARRAY = 4096
 
 
 class GGUFConfig:
@@ -63,7 +77,8 @@ class GGUFConfig:
 
 
 def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """(metadata, tensor names) of a GGUF file: scalar and string values as they are, an array as its length."""
+    """(metadata, tensor names) of a GGUF file: scalar and string values as they are, an array of up to
+    _SMALL_ARRAY numbers as a list (Gemma 3's per-layer sliding-window pattern), any other array as its length."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         r = _HeaderReader(data)
         magic, version, n_tensors, n_kv = r.unpack("4sIQQ")
@@ -74,9 +89,12 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
             key = r.string()
             (kind,) = r.unpack("I")
             if kind == _ARRAY:
-                _, meta[key] = r.unpack("IQ")
-                r.pos -= 12
-                r.skip(kind)
+                item, meta[key] = r.unpack("IQ")
+                if item in _SCALARS and meta[key] <= _SMALL_ARRAY:
+                    meta[key] = [r.value(item) for _ in range(meta[key])]
+                else:
+                    r.pos -= 12
+                    r.skip(kind)
             else:
                 meta[key] = r.value(kind)
         names = []
@@ -87,13 +105,15 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
     return meta, names
 
 
-def gguf_config(path: Path) -> Optional[GGUFConfig]:
+def gguf_config(path: Path) -> Optional[Any]:
     """The config of a llama / qwen2 GGUF from its metadata (None for another architecture: transformers builds
-    it). Like transformers: a llama file named exactly "mistral" is a Mistral, the head is tied when the file
+    it); a qwen3 / gemma3 / phi3 file's through transformers' config class (_family_config). Like transformers: a llama file named exactly "mistral" is a Mistral, the head is tied when the file
     has no output.weight, the vocabulary's size is the token list's when the file does not state it, and
     rope scaling keys are not read."""
     meta, names = read_metadata(path)
     arch = meta.get("general.architecture")
+    if arch in _CONFIG_CLASSES:
+        return _family_config(path, arch, meta, names)
     if arch not in ("llama", "qwen2", "qwen3moe"):
         return None
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
@@ -126,6 +146,60 @@ def gguf_config(path: Path) -> Optional[GGUFConfig]:
                       tie_word_embeddings="output.weight" not in names, dtype=None, **fields)
 
 
+def _family_config(path: Path, arch: str, meta: dict[str, Any], names: list[str]):
+    """A qwen3 / gemma3 / phi3 GGUF's config as transformers' config class builds it from the mapped fields, with
+    what llama.cpp's loader reads and transformers' does not: the head size (key_length), the sliding window; for
+    Gemma 3 the attention scale (llama.cpp: 1/sqrt(head size), 1/sqrt(hidden / heads) at 27B's 62 layers; the HF
+    config's query_pre_attn_scalar, which the file does not hold), the final soft-cap, the local RoPE base and a
+    linear RoPE scaling of the global layers. Not read: Phi-3's longrope factors (tensors rope_factors_long/short:
+    a 128k-context Phi-3 GGUF gets no long-context scaling, as in transformers)."""
+    import importlib
+
+    model_type, class_name = _CONFIG_CLASSES[arch]
+    fields: dict[str, Any] = {}
+    for key, field in {**_FIELDS, **_EXTRA_FIELDS[arch]}.items():
+        if f"{arch}.{key}" in meta and not (key == "rope.dimension_count"):  # (transformers maps it to None here)
+            fields[field] = meta[f"{arch}.{key}"]
+    for field, key in _TOKEN_IDS.items():
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            fields[field] = meta[f"tokenizer.ggml.{key}_token_id"]
+    if "vocab_size" not in fields and "tokenizer.ggml.tokens" in meta:
+        fields["vocab_size"] = meta["tokenizer.ggml.tokens"]
+    missing = [f for f in _REQUIRED + ("vocab_size",) if f not in fields]
+    if missing:
+        raise ValueError(f"{path.name}: the GGUF metadata has no {arch}.* key for {', '.join(missing)}")
+    theta = fields.pop("rope_theta", None)
+    if arch == "phi3" and not fields.get("sliding_window"):
+        fields["sliding_window"] = None  # llama.cpp writes 0 for "none" (Phi-4)
+    if arch == "gemma3":
+        # llama.cpp: no window, no sliding layers; else every 6th layer global unless the file says which
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+        n = fields["num_hidden_layers"]
+        if not fields.get("sliding_window"):
+            fields["layer_types"] = ["full_attention"] * n
+        elif isinstance(pattern, list):
+            fields["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+        else:
+            fields["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        wide = fields["num_hidden_layers"] == 62  # 27B: llama.cpp scales by hidden / heads
+        fields["query_pre_attn_scalar"] = (fields["hidden_size"] // fields["num_attention_heads"] if wide
+                                           else fields.get("head_dim", 256))
+        full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(theta or 1_000_000.0)}
+        if meta.get(f"{arch}.rope.scaling.type") == "linear" and meta.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+            full = {"rope_type": "linear", "rope_theta": full["rope_theta"],
+                    "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+        local = float(meta.get(f"{arch}.rope.freq_base_swa", 10_000.0))
+        fields["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": local},
+                                     "full_attention": full}
+    elif theta is not None:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
+    module = importlib.import_module(f"transformers.models.{model_type.removesuffix('_text')}.configuration_"
+                                     f"{model_type.removesuffix('_text')}")
+    config = getattr(module, class_name)(tie_word_embeddings="output.weight" not in names, **fields)
+    config.architectures = None
+    return config
+
+
 def _identity(path: Path) -> dict[str, Any]:
     import tokenizers
     import transformers
@@ -144,20 +218,34 @@ def gguf_tokenizer(path: Path, cache: Path):
         if json.loads((entry / "source.json").read_text()) == identity:
             from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(str(entry), local_files_only=True)
+            return _with_family_template(PreTrainedTokenizerFast.from_pretrained(str(entry), local_files_only=True),
+                                         path)
     except FileNotFoundError:
         pass
     except Exception as e:  # a damaged entry: convert again, and replace it
         logger.warning("the cached tokenizer in %s cannot be read (%s); converting %s's again", entry, e, path.name)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tokenizer = _with_family_template(
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True), path)
     if getattr(tokenizer, "_tokenizer", None) is not None:  # a fast tokenizer: what tokenizer.json holds
         try:
             _keep(tokenizer, identity, entry)
         except OSError as e:
             logger.warning("cannot keep %s's tokenizer under %s (%s): every start converts it again", path.name,
                            entry.parent, e)
+    return tokenizer
+
+
+def _with_family_template(tokenizer, path: Path):
+    """A file without tokenizer.chat_template gets its family's HF template (chat_templates.py), as the HF model's
+    tokenizer has it."""
+    if not getattr(tokenizer, "chat_template", None):
+        from engine.model_executor.chat_templates import family_chat_template
+
+        template = family_chat_template(read_metadata(path)[0].get("general.architecture"))
+        if template is not None:
+            tokenizer.chat_template = template
     return tokenizer
 
 

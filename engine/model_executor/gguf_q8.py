@@ -35,7 +35,7 @@ from engine.model_executor.layers.quant import (COLS, QK, Q8_0_BLOCK_BYTES, atta
 logger = logging.getLogger(__name__)
 
 # llama.cpp architectures whose tensors map onto engine/model_executor/models/llama.py
-ARCHS = ("llama", "qwen2", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
 _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -45,10 +45,15 @@ _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+_ARCH_BLOCK = {  # where an architecture's names differ from _BLOCK's (gguf-py's tensor map, HF's names)
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused in the file as in HF
+}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 READ_CHUNK_BYTES = 4 << 20  # a Q8_0 tensor is read and packed this many bytes at a time, into one buffer
-_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps",
-                 "ffn_up_exps", "ffn_down_exps")
+_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                 "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 class _Info(NamedTuple):
@@ -59,12 +64,13 @@ class _Info(NamedTuple):
     nbytes: int
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
+def hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
     """The HF state-dict name of a GGUF tensor name (None: a tensor the model does not take, rope_freqs)."""
     base, _, suffix = gguf_name.rpartition(".")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in _BLOCK:
-        return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{suffix}"
+    block = {**_BLOCK, **_ARCH_BLOCK.get(arch, {})}
+    if m and m.group(2) in block:
+        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{suffix}"
     return f"{_TOP[base]}.{suffix}" if base in _TOP else None
 
 
@@ -233,13 +239,15 @@ def _float_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iter
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     with open(path, "rb") as f:
         for info in infos:
-            name = hf_name(info.name)
+            name = hf_name(info.name, arch)
             router = name is not None and name.endswith(".mlp.gate.weight")  # 2-D, kept float (F32) by llama.cpp
             if name is None or info.kind == "Q8_0" or (len(info.shape) != 1 and not router):
                 continue
             if info.kind not in dtypes:
                 raise ValueError(f"GGUF tensor {info.name} is {info.kind}: a 1-D tensor must be F32, F16 or BF16")
             t = _read(f, info).view(dtypes[info.kind]).view(info.shape)
+            if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w (transformers too)
+                t = t.float() - 1.0
             if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # a bias, permuted as its rows
                 heads = hf_config.num_attention_heads if ".q_proj." in name else hf_config.num_key_value_heads
                 t = t[_unpermute_rows(t.shape[0], heads)]
@@ -253,7 +261,8 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
     (quant.attach_q8_linear / attach_q8_embedding; an untied Q8_0 one read through a map of the file,
     attach_q8_file_embedding), their float weights released. Returns the int8 linears."""
     arch, infos = _infos(path)
-    by_hf = {hf_name(i.name): i for i in infos}
+    by_hf = {hf_name(i.name, arch): i for i in infos}
+    fused = arch == "phi3"  # q/k/v and gate/up are one tensor each in the file
     layers = model.layers
     # The linears' and the embedding's float weights are never read: release them before the norms load, so
     # load_weights expects no rows for them.
@@ -261,11 +270,11 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        targets += [(attn.qkv_proj, [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]),
-                    (attn.o_proj, [p + "self_attn.o_proj"])]
+        qkv = [p + "self_attn.qkv_proj"] if fused else [p + f"self_attn.{x}_proj" for x in "qkv"]
+        targets += [(attn.qkv_proj, qkv), (attn.o_proj, [p + "self_attn.o_proj"])]
         if hasattr(mlp, "gate_up_proj"):  # else a mixture of experts: moe.attach_q8_experts below
-            targets += [(mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"]),
-                        (mlp.down_proj, [p + "mlp.down_proj"])]
+            gate_up = [p + "mlp.gate_up_proj"] if fused else [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            targets += [(mlp.gate_up_proj, gate_up), (mlp.down_proj, [p + "mlp.down_proj"])]
         else:
             mlp.w13 = nn.Parameter(mlp.w13.new_empty(0), requires_grad=False)
             mlp.w2 = nn.Parameter(mlp.w2.new_empty(0), requires_grad=False)

@@ -386,6 +386,31 @@ def _gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from hf_model.state_dict().items()
 
 
+def generation_stop_ids(model: Optional[str], tokenizer) -> list[int]:
+    """Token ids that end a reply besides the tokenizer's EOS, as vLLM takes them from the model's generation config
+    (stop_token_ids of every request, unless ignore_eos): a folder's generation_config.json eos_token_id list (Gemma
+    3's is [1, 106]: <eos>, <end_of_turn>); a GGUF's family end-of-turn token (llama.cpp's end-of-generation)."""
+    if not model:
+        return []
+    path = Path(model)
+    ids: list[int] = []
+    if path.suffix == ".gguf" and path.is_file():
+        from engine.model_executor.chat_templates import END_OF_TURN
+        from engine.model_executor.gguf_meta import read_metadata
+
+        token = END_OF_TURN.get(read_metadata(path)[0].get("general.architecture", ""))
+        token_id = tokenizer.convert_tokens_to_ids(token) if token else None
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.append(token_id)
+    elif (path / "generation_config.json").is_file():
+        try:
+            eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            eos = None
+        ids = [eos] if isinstance(eos, int) else [t for t in eos or [] if isinstance(t, int)]
+    return [t for t in dict.fromkeys(ids) if t != tokenizer.eos_token_id]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO)
     print(default_model_path())

@@ -134,7 +134,7 @@ class Sampler:
         logits = adjust_logits(logits, [(group.sampling_params, seq) for group, seqs in groups for seq in seqs],
                                self.eos_token_id)
         constrained = [(row, seq.grammar) for row, seq in enumerate(seq for _, seqs in groups for seq in seqs)
-                       if seq.grammar is not None]
+                       if seq.grammar is not None and seq.grammar.active]
         if constrained:
             logits = _mask_to_grammars(logits, raw_logits, constrained)
         elif logits is raw_logits and all(_plain_greedy(group.sampling_params) for group, _ in groups):

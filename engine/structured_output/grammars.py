@@ -32,32 +32,50 @@ class GrammarError(ValueError):
 
 
 class GrammarState:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar.
 
-    __slots__ = ("matcher", "vocab_size")
+    A gated state (SamplingParams.guided_after: a reasoning parser's end marker) lets the output run free until
+    it ends with the gate's token ids; the grammar constrains the tokens after them (vLLM's rule: structured
+    outputs apply to the content after the reasoning)."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    __slots__ = ("matcher", "vocab_size", "gate", "tail")
+
+    def __init__(self, matcher, vocab_size: int, gate: Optional[tuple[int, ...]] = None) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
+        self.gate = gate  # None once the grammar applies
+        self.tail: tuple[int, ...] = ()  # the last len(gate) output tokens while gated
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (the sampler masks only active rows)."""
+        return self.gate is None
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False if the grammar refused it (it was masked out, so only a token
         forced past the mask, e.g. by a fault, can be refused) or the grammar had already ended."""
+        if self.gate is not None:  # free text until the output ends with the gate
+            self.tail = (self.tail + (token_id,))[-len(self.gate):]
+            if self.tail == self.gate:
+                self.gate = None
+            return True
         if self.matcher.is_terminated():
             return False
         return self.matcher.accept_token(token_id)
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: the output is done."""
-        return self.matcher.is_terminated()
+        return self.gate is None and self.matcher.is_terminated()
 
     def fork(self) -> "GrammarState":
-        return GrammarState(self.matcher.fork(), self.vocab_size)
+        child = GrammarState(self.matcher.fork(), self.vocab_size, self.gate)
+        child.tail = self.tail
+        return child
 
     def allows_any_token(self) -> bool:
         """Whether any token of the vocabulary (or the stop token) may come next. A grammar can reach a point where
         none may: a regex or grammar that asks for a character no token spells (SmolLM2's byte-level vocabulary has
         no token for the byte 0x04, nor for some 4-byte UTF-8 leads)."""
-        return _allows_any(self.matcher, self.vocab_size)
+        return self.gate is not None or _allows_any(self.matcher, self.vocab_size)
 
 
 class StructuredOutputs:
@@ -136,8 +154,8 @@ class StructuredOutputs:
             return compiler.compile_grammar(f"root ::= {alternatives}")
         return compiler.compile_grammar(spec.value)
 
-    def new_state(self, compiled) -> GrammarState:
-        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size)
+    def new_state(self, compiled, gate: Optional[tuple[int, ...]] = None) -> GrammarState:
+        return GrammarState(self._xgr.GrammarMatcher(compiled), self.vocab_size, tuple(gate) if gate else None)
 
 
 def apply_grammar_masks(logits: "torch.Tensor", rows: list[tuple[int, GrammarState]]) -> None:

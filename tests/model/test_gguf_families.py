@@ -1,0 +1,174 @@
+"""Qwen3, Gemma 3 and Phi-3 from GGUF files (issue 54): a tiny random HF checkpoint written as llama.cpp's converter
+writes it (its metadata keys, its tensor names, Gemma's norms stored as 1 + w, no q/k row permutation: only the
+llama architecture permutes) loads with the HF checkpoint's config (gguf_meta.gguf_config), and its Q8_0 weights,
+served as they are (gguf_q8.py), give the HF model's greedy tokens."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+from engine.model_executor.gguf_meta import gguf_config
+from engine.model_executor.gguf_q8 import hf_name, is_q8_gguf
+from engine.model_executor.models.llama_args import ModelArgs, layer_ropes, sliding_windows
+from engine.model_executor.models.rope import rope_inv_freq
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=2.0**-20, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)  # (an epsilon a float32 holds exactly: GGUF stores it as one)
+CONFIGS = {
+    # head_dim 32 is not hidden / heads (16): the file's key_length must reach the config
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # the HF default query_pre_attn_scalar is 256; llama.cpp scales by the head size, as this checkpoint does.
+    # Seven layers: Gemma 3's pattern (llama.cpp's, HF's default) of five sliding, one global, then sliding again.
+    "gemma3": lambda: Gemma3TextConfig(**{**TINY, "num_hidden_layers": 7}, head_dim=16, query_pre_attn_scalar=16,
+                                       sliding_window=8, final_logit_softcapping=30.0,
+                                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+    "phi3": lambda: Phi3Config(**TINY, sliding_window=8, tie_word_embeddings=False),
+}
+# HF name -> GGUF name part, as gguf-py's tensor map has them (llama.cpp's convert_hf_to_gguf.py writes these)
+_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_ARCH_PARTS = {"gemma3": {"post_attention_layernorm": "post_attention_norm",
+                          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+               "qwen3": {"post_attention_layernorm": "ffn_norm"}, "phi3": {"post_attention_layernorm": "ffn_norm"}}
+
+
+def _gguf_name(name: str, arch: str) -> str:
+    if not name.startswith("model.layers."):
+        return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}[name]
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    part, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_ARCH_PARTS[arch].get(part) or _PARTS[part]}.{suffix}"
+
+
+def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = True) -> Path:
+    """The metadata keys llama.cpp's converter writes for this family (conversion/qwen.py, gemma.py, phi.py), the
+    default model's tokenizer (its GGUF's tokenizer.* keys), and the weights (2-D ones Q8_0 when q8)."""
+    import gguf
+
+    from engine.model_executor.loader import default_gguf_path
+
+    arch = {"qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}[c.model_type]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name("tiny")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    if arch == "gemma3":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+        w.add_sliding_window(c.sliding_window)
+    else:
+        w.add_rope_freq_base(rope["rope_theta"])
+    if arch == "qwen3":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    if arch == "phi3":
+        w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+        w.add_sliding_window(c.sliding_window or 0)
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.") and not key.endswith("_token_id"):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_pad_token_id(c.pad_token_id)
+    for name, t in state.items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # a tied head is not in the checkpoint (nor the file)
+        t = t.float()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0  # Gemma3Model.modify_tensors: the file holds 1 + w
+        data = t.numpy()
+        if q8 and data.ndim == 2:
+            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name, arch), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _view(c) -> dict:
+    """What the engine builds from a config: the spec, the per-layer windows and RoPE tables."""
+    args = ModelArgs.from_hf(c)
+    ropes = {key: rope_inv_freq(c, args.head_dim, 64, key)[0].tolist() for key in set(layer_ropes(c))}
+    return {"args": args, "windows": sliding_windows(c), "ropes": ropes, "eos": c.eos_token_id, "bos": c.bos_token_id}
+
+
+def _hf_model(name: str):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32).eval()
+    for n, p in model.named_parameters():
+        if n.endswith("norm.weight"):  # HF starts norms at 1 (Gemma: 0): random ones make the test mean more
+            p.data.normal_(0.0 if "gemma" in model.config.model_type else 1.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_config_from_gguf_metadata_is_the_checkpoints(name, tmp_path):
+    model = _hf_model(name)
+    path = write_family_gguf(model.config, model.state_dict(), tmp_path / f"{name}.gguf", q8=False)
+    ours = gguf_config(path)
+    assert _view(ours) == _view(model.config)
+    assert ours.tie_word_embeddings == model.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tensor_names_map_back_to_the_checkpoints(name, tmp_path):
+    model = _hf_model(name)
+    arch = {"qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}[name]
+    for hf in model.state_dict():
+        assert hf_name(_gguf_name(hf, arch), arch) == hf
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
+    """The file's Q8_0 weights served natively (no q/k un-permuting for these architectures, Gemma's stored norms
+    shifted back): greedy tokens equal HF's on the same weights quantized the same way (Q8_0 round trip)."""
+    import gguf
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    model = _hf_model(name)
+    state = model.state_dict()
+    path = write_family_gguf(model.config, state, tmp_path / f"{name}.gguf")
+    assert is_q8_gguf(path)
+    for n, t in state.items():  # the reference: HF on the Q8_0-rounded weights
+        if t.dim() == 2:
+            q = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0)
+            t.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)))
+    prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
+    want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16,
+              enforce_eager=True, dtype="float32")
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                            sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
