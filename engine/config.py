@@ -78,8 +78,15 @@ class EngineConfig:
     # end), as vLLM's and SGLang's --stream-interval: a streamed client gets one SSE event for each N tokens, so the
     # API server's per-event work (and the core's output encoding) falls N-fold at high concurrency. 1: each token.
     stream_interval: int = 1
+    # Speculative decoding (engine/spec_decode/): vLLM's JSON, {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} or {"model": PATH, "num_speculative_tokens": k}; a dict or
+    # its JSON text, parsed into a SpeculativeConfig here. None: no speculation.
+    speculative_config: Optional[object] = None
 
     def __post_init__(self) -> None:
+        from engine.spec_decode.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if isinstance(self.preemption_mode, str):
             self.preemption_mode = PreemptionMode(self.preemption_mode)
         if isinstance(self.scheduling_policy, str):
