@@ -431,6 +431,9 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            spec_decode_num_drafts=self.spec.num_drafts if self.spec is not None else 0,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens if self.spec is not None else 0,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
             iteration_tokens=self._iteration_tokens.snapshot(),
             inter_token_latency=self._inter_token_latency.snapshot(),
         )
