@@ -66,46 +66,48 @@ class SpecDecoder:
         prefill_tokens = sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
         rows = out.num_batched_tokens
         self._rows = rows if not prefill_tokens else None
-        candidates: list[tuple[float, int, Sequence, SequenceGroup, Acceptance, list[int]]] = []
+        candidates: list[tuple[float, int, Sequence, Acceptance]] = []  # (alpha, most proposals, ...)
         for sg in out.scheduled:
             group = sg.group
             if sg.is_prefill or group.sampling_params.use_beam_search:
                 continue
             for seq in group.seqs:
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue
-                record = self._record(seq)
-                limit = self._limit(seq, group)
-                proposal: list[int] = []
-                if limit > 0 and self.draft is None:
-                    if record.index is None:
-                        record.index = NgramIndex()
-                    c = self.config
-                    proposal = ngram_propose(record.index.view(seq.get_len(), seq), limit, c.prompt_lookup_max,
-                                             c.prompt_lookup_min)
-                    limit = len(proposal)
-                if limit > 0:
-                    candidates.append((record.alpha(), limit, seq, group, record, proposal))
-                else:
-                    record.idle()
+                if seq.status is SequenceStatus.RUNNING:
+                    record = self._record(seq)
+                    limit = self._limit(seq, group)
+                    if limit > 0:
+                        candidates.append((record.alpha(), limit, seq, record))
         if not candidates:
             return False
+        # Who could pay at best (each with all its proposals): only they propose. A compute-bound batch stops
+        # here, before any lookup or draft forward is spent on it.
         candidates.sort(key=lambda c: -c[0])
-        count = len(candidates) if self.always else choose(rows, [(a, k) for a, k, *_ in candidates], self.cost)
-        chosen = candidates[:count]
-        for _, _, _, _, record, _ in candidates[len(chosen):]:
+        count = len(candidates) if self.always else choose(rows, [(a, k) for a, k, _, _ in candidates], self.cost)
+        for _, _, _, record in candidates[count:]:
             record.idle()
+        chosen = candidates[:count]
         if not chosen:
             return False
-        if self.draft is not None:  # the draft model proposes for the chosen ones only, in one batch a position
-            proposals = self.draft.propose([(seq, k) for _, k, seq, *_ in chosen])
-            chosen = [(a, k, seq, g, r, p) for (a, k, seq, g, r, _), p in zip(chosen, proposals)]
+        if self.draft is not None:  # the draft model proposes for all of them at once, one batch a position
+            proposals = self.draft.propose([(seq, k) for _, k, seq, _ in chosen])
+        else:
+            proposals = [self._ngram(seq, record, k) for _, k, seq, record in chosen]
+        # With the proposals' real lengths (a lookup may find fewer than k, or none), choose again.
+        found = [(a, len(p), seq, record, p) for (a, _, seq, record), p in zip(chosen, proposals) if p]
+        count = len(found) if self.always else choose(rows, [(a, k) for a, k, *_ in found], self.cost)
+        for _, _, _, record, _ in found[count:]:
+            record.idle()
+        chosen = [(a, k, seq, None, record, p) for a, k, seq, record, p in found[:count]]
         bm = scheduler.block_manager
         for _, _, seq, _, record, proposal in chosen:
             if seq.grammar is not None:
                 proposal = _grammar_prefix(seq, proposal)
             if proposal and bm.grow_for_draft(seq, seq.get_len() + len(proposal)):
                 out.drafts[seq.seq_id] = proposal
+        if self.draft is not None:  # proposed for and not verified after all: the draft's K/V goes back to t
+            for _, _, seq, _ in candidates[: len(proposals)]:
+                if seq.seq_id not in out.drafts:
+                    self.draft.accepted(seq, 0)
         if not out.drafts:
             return False
         # The steady decode moves every row one token a step: this step moves some by more.
@@ -114,6 +116,12 @@ class SpecDecoder:
         if self._rows is not None:
             self._rows += sum(len(p) for p in out.drafts.values())
         return True
+
+    def _ngram(self, seq: Sequence, record: Acceptance, k: int) -> list[int]:
+        if record.index is None:
+            record.index = NgramIndex()
+        c = self.config
+        return ngram_propose(record.index.view(seq.get_len(), seq), k, c.prompt_lookup_max, c.prompt_lookup_min)
 
     def _record(self, seq: Sequence) -> Acceptance:
         record = self.records.get(seq.seq_id)

@@ -32,13 +32,13 @@ DRAFT_CACHE_SHARE = 4  # the draft's KV cache holds 1/this of the target's token
 
 
 class _DraftSeq:
-    __slots__ = ("table", "computed", "proposed_from", "k")
+    __slots__ = ("table", "computed", "proposed_from", "pending")
 
     def __init__(self) -> None:
         self.table: list[int] = []
         self.computed = 0  # leading tokens whose K/V the draft cache holds for this sequence
         self.proposed_from = 0  # the sequence's length at the last proposal
-        self.k = 0
+        self.pending = False  # proposed, not yet verified: its K/V past proposed_from holds proposals
 
 
 class DraftProposer:
@@ -102,7 +102,7 @@ class DraftProposer:
             if need > self.allocator.num_free():
                 continue
             state.table.extend(self.allocator.allocate() for _ in range(max(need, 0)))
-            state.proposed_from, state.k = length, k
+            state.proposed_from, state.pending = length, True
             live.append((i, seq, state, k))
         proposals: list[list[int]] = [[] for _ in wanted]
         if not live:
@@ -148,8 +148,9 @@ class DraftProposer:
     def accepted(self, seq: Sequence, accepted: int) -> None:
         """The target kept `accepted` of the proposals: the draft's K/V holds t, d1..d_accepted of them."""
         state = self.seqs.get(seq.seq_id)
-        if state is None:
+        if state is None or not state.pending:
             return
+        state.pending = False
         if seq.is_finished():
             self.release(seq.seq_id)
             return
