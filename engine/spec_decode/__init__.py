@@ -12,6 +12,9 @@ def build_spec_decoder(config, engine):
     from engine.spec_decode.decoder import SpecDecoder
 
     draft = None
+    if spec.method == "draft_model" and config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config: a draft model does not run under tensor parallelism yet; use "
+                         "method \"ngram\", or --tensor-parallel-size 1.")
     if spec.method == "draft_model":
         from engine.spec_decode.draft import DraftProposer
 
