@@ -11,8 +11,8 @@ give the token after d_i; each position is sampled exactly as a plain step would
 the sequence as it stands with the accepted tokens appended), and the tokens go on while the sampled one equals
 the proposal. Greedy: the same tokens as without speculation. Sampling: a proposal is one token (a point mass), and
 "draw x ~ p, keep it, go on iff x == d" is the rejection sampler for a point mass (accept d with probability p(d),
-else draw from p without d): the output distribution is the target's (engine/spec_decode/rejection.py has the
-general rule and its test). Stops, max_tokens, grammars, logprobs and penalties see every token as it is appended,
+else draw from p without d): the output distribution is the target's (tests/e2e/test_spec_decode.py checks it).
+Stops, max_tokens, grammars, logprobs and penalties see every token as it is appended,
 so nothing overshoots. Afterwards the sequence's computed length is L + accepted and whole blocks past its new
 length go back to the pool.
 """
@@ -29,7 +29,7 @@ from engine.faults import StepError
 from engine.sample.prompt_logprobs import add_prompt_logprobs
 from engine.sample.sampler import Sample, _simple_group
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramIndex, ngram_propose
 from engine.spec_decode.policy import Acceptance, StepCost, choose
 

@@ -12,7 +12,7 @@ import pytest
 from bad_inputs import MODEL
 from serving_harness import metric
 
-from engine.spec_decode.config import SpeculativeConfig
+from engine.config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PROMPT = "one two three four one two three four one two three"
