@@ -20,6 +20,7 @@ from engine.sample.prompt_logprobs import add_prompt_logprobs
 from engine.metrics import INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS, EngineStats, Tally
 from engine.sample.sampler import BatchParams, RowSamples, Sampler
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import build_spec_decoder
 from engine.core.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
 from engine.structured_output.grammars import StructuredOutputs
@@ -90,6 +91,7 @@ class LLMEngine:
         self._structured: Optional[StructuredOutputs] = None
         self._structured_lock = threading.Lock()
         self._build_scheduling(num_device_blocks, num_cpu_blocks)
+        self.spec = build_spec_decoder(config, self)  # speculative decoding (engine/spec_decode/); None: off
         self.fault_injector: Optional[FaultInjector] = None  # tests: called at each stage and admission (faults.py)
         # What step() reports of a group: None, its RequestOutput; an engine core process sets its own (its wire's
         # delta built straight from the sequences: engine/core_proc.py OutputDeltas.build).
@@ -204,6 +206,7 @@ class LLMEngine:
         self._stage, self._step_groups = STAGES[0], None
         outputs: list[RequestOutput] = []
         counted = self._prompt_tokens_total + self._generation_tokens_total
+        started = time.perf_counter()
         try:
             return self._step(outputs)
         except (StepError, TensorParallelError):  # the latter: the ranks are out of step, the engine must stop
@@ -216,6 +219,8 @@ class LLMEngine:
             computed = self._prompt_tokens_total + self._generation_tokens_total - counted
             if computed:  # (a step that ran no forward computed none)
                 self._iteration_tokens.observe(computed)
+            if self.spec is not None:
+                self.spec.end_step(time.perf_counter() - started)
 
     def _step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         sch = self.scheduler
@@ -237,6 +242,8 @@ class LLMEngine:
             if self.workers is not None and (out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy):
                 self.workers.send_step(out, None)  # the other ranks' caches make the same moves
             return outputs
+        if self.spec is not None and self.spec.plan(out, self.scheduler):  # some decodes verify proposals
+            return self.spec.run(self, out, outputs)
 
         batch = self._step_batch(out)
         if batch is not None:  # a decode-only step of a steady decode: its rows and parameters are kept
@@ -429,6 +436,9 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
+            spec_decode_num_drafts=self.spec.num_drafts if self.spec is not None else 0,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens if self.spec is not None else 0,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
             iteration_tokens=self._iteration_tokens.snapshot(),
             inter_token_latency=self._inter_token_latency.snapshot(),
         )

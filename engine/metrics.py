@@ -69,6 +69,10 @@ class EngineStats:
     # Prompt tokens of new requests looked up in the prefix cache, and of those the tokens found (vLLM counts tokens).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding (vLLM's counters): sequence-steps that verified proposals, tokens proposed, accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     iteration_tokens: Optional[HistogramCounts] = None  # tokens computed per step (ITERATION_TOKENS_BUCKETS)
     inter_token_latency: Optional[HistogramCounts] = None  # seconds between a sequence's tokens
 
@@ -143,6 +147,10 @@ class Metrics:
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens.")
         self.iteration_tokens = _EngineHistogram(
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS,
             model_name, self.registry)
@@ -160,14 +168,16 @@ class Metrics:
                        self.request_generation_tokens, self.request_params_n, self.request_params_max_tokens,
                        self.request_queue_time, self.request_prefill_time, self.request_decode_time,
                        self.request_inference_time, self.prefix_cache_queries, self.prefix_cache_hits,
-                       self.engine_resets):
+                       self.engine_resets, self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                       self.spec_decode_num_accepted_tokens):
             metric.labels(model_name)
         for reason in ("step_fault", "engine_reset", "admission_fault"):
             self.request_failures.labels(model_name, reason)
         self.cache_config = Info(PREFIX + "cache_config", "The KV cache configuration.", registry=self.registry)
         # The engine's counters are cumulative; Prometheus counters only grow by increments.
         self._last_counters = {"preemptions": 0, "prompt": 0, "generation": 0, "recompute": 0, "swap": 0,
-                               "prefix_queries": 0, "prefix_hits": 0}
+                               "prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0, "spec_draft_tokens": 0,
+                               "spec_accepted": 0}
 
     def set_cache_config(self, stats: EngineStats) -> None:
         self.cache_config.info(
@@ -196,6 +206,9 @@ class Metrics:
             "swap": stats.num_preemptions_swap,
             "prefix_queries": stats.prefix_cache_queries,
             "prefix_hits": stats.prefix_cache_hits,
+            "spec_drafts": stats.spec_decode_num_drafts,
+            "spec_draft_tokens": stats.spec_decode_num_draft_tokens,
+            "spec_accepted": stats.spec_decode_num_accepted_tokens,
         }
         counters = {
             "preemptions": self.num_preemptions.labels(m), "prompt": self.prompt_tokens.labels(m),
@@ -203,6 +216,9 @@ class Metrics:
             "recompute": self.num_preemptions_by_mode.labels(m, "recompute"),
             "swap": self.num_preemptions_by_mode.labels(m, "swap"),
             "prefix_queries": self.prefix_cache_queries.labels(m), "prefix_hits": self.prefix_cache_hits.labels(m),
+            "spec_drafts": self.spec_decode_num_drafts.labels(m),
+            "spec_draft_tokens": self.spec_decode_num_draft_tokens.labels(m),
+            "spec_accepted": self.spec_decode_num_accepted_tokens.labels(m),
         }
         for key, value in current.items():
             delta = value - self._last_counters[key]  # (less than 0 once: the block manager rebuilt at a reset)

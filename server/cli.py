@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="a streamed request gets an event every N tokens (and with its first and last): fewer, "
                             "larger events, less API-server work a token at high concurrency (vLLM's, SGLang's flag)")
+    serve.add_argument("--speculative-config", default=None,
+                       help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                            '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt lookup) or {"model": PATH, '
+                            '"num_speculative_tokens": 4} (a draft model with the same tokenizer; pagedserve\'s '
+                            '"draft_num_layers": N keeps its first N layers). Greedy outputs stay the same, sampled '
+                            'ones keep their distribution; it turns itself off where it would not pay')
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -127,7 +133,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy, max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
         enforce_eager=args.enforce_eager, grammar_cache_mb=args.grammar_cache_mb,
-        stream_interval=args.stream_interval,
+        stream_interval=args.stream_interval, speculative_config=args.speculative_config,
     )
 
 

@@ -34,7 +34,6 @@ using attn::Item;
 // tokens, splitting from 64k (with 64-token spans) took 4-10 % off the whole step, where
 // the old 1M / 256-token limits kept them on one thread (docs/benchmarks.md, 2026-11-25).
 constexpr int64_t kParallelMinWork = int64_t{1} << 16;
-constexpr int64_t kItemsPerThread = 4;  // enough for the item queue (parallel.h) to even out
 constexpr int64_t kMinSpan = 64;        // tokens: shorter spans cost more to merge than they save
 
 struct Plan {
@@ -42,6 +41,13 @@ struct Plan {
   int64_t num_spans;  // per sequence
   bool parallel;
 };
+
+// Contexts longer than this are cut into spans of it (rounded up to whole blocks), whatever the batch: a
+// sequence's result then depends on its own context only, never on what else the step holds. Speculative
+// decoding verifies k + 1 rows of one sequence in a step and must give the bits one row gives alone (the same
+// greedy tokens); a plan sized by the batch (as before: fewer items than threads -> more spans) did not. At one
+// sequence of 128-528 tokens this is about the split the batch-sized plan chose (3 kv heads x 1-3 spans).
+constexpr int64_t kSpanTokens = 256;
 
 // begins[s]: the first token sequence s attends to (0, or the start of its sliding window).
 Plan make_plan(const int32_t* lens, const int32_t* begins, int64_t num_seqs, const Geometry& g) {
@@ -51,15 +57,10 @@ Plan make_plan(const int32_t* lens, const int32_t* begins, int64_t num_seqs, con
     total += lens[s] - begins[s];
   }
   const int64_t threads = omp_get_max_threads();
-  Plan plan{max_len, 1, threads > 1 && total * g.num_kv_heads * g.group * g.head_size >= kParallelMinWork};
-  const int64_t items = num_seqs * g.num_kv_heads, wanted = kItemsPerThread * threads;
-  if (plan.parallel && items < wanted) {
-    const int64_t spans = (wanted + items - 1) / items;
-    int64_t span = std::max(kMinSpan, (max_len + spans - 1) / spans);
-    span = (span + g.block_size - 1) / g.block_size * g.block_size;
-    if (span < max_len) plan = Plan{span, (max_len + span - 1) / span, true};
-  }
-  return plan;
+  const bool parallel = threads > 1 && total * g.num_kv_heads * g.group * g.head_size >= kParallelMinWork;
+  const int64_t span = (std::max(kMinSpan, kSpanTokens) + g.block_size - 1) / g.block_size * g.block_size;
+  if (span < max_len) return Plan{span, (max_len + span - 1) / span, parallel};
+  return Plan{max_len, 1, parallel};
 }
 
 // Per-thread buffers, grown as needed and kept across calls.
@@ -116,7 +117,13 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   const int64_t H = g.head_size, heads = g.num_kv_heads * g.group;
   const int64_t num_items = num_seqs * g.num_kv_heads * plan.num_spans;
   // Span results [num_seqs, num_heads, num_spans, head_size + 2], only when contexts are split.
-  std::vector<float> states(plan.num_spans > 1 ? num_items * g.group * (H + 2) : 0);
+  // (Kept across calls: every layer of every step asks for one; only its first call per size allocates.)
+  // A pointer, not the vector: inside the parallel region a thread_local names each thread's own.
+  static thread_local std::vector<float> kept;
+  if (plan.num_spans > 1 && kept.size() < static_cast<size_t>(num_items * g.group * (H + 2))) {
+    kept.resize(num_items * g.group * (H + 2));
+  }
+  float* const states = kept.data();
   std::atomic<int64_t> next{0};
 #pragma omp parallel if (plan.parallel)
   {
@@ -156,7 +163,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
         return;
       }
       for (int64_t h = 0; h < g.group; ++h) {  // -> states[seq, kv_head * group + h, span]
-        float* st = states.data() + (((seq * heads + kv_head * g.group + h) * plan.num_spans) + span) * (H + 2);
+        float* st = states + (((seq * heads + kv_head * g.group + h) * plan.num_spans) + span) * (H + 2);
         std::copy(sc.acc.begin() + h * H, sc.acc.begin() + (h + 1) * H, st);
         st[H] = sc.max_logit[h];
         st[H + 1] = sc.sum[h];
@@ -166,7 +173,7 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, 
   if (plan.num_spans > 1) {  // a few rows: on the calling thread, no second wake-up of the team
     std::vector<float> row(H);
     for (int64_t r = 0; r < num_seqs * heads; ++r) {
-      merge_spans(out_ptr + r * H, states.data() + r * plan.num_spans * (H + 2), plan.num_spans, H, row.data());
+      merge_spans(out_ptr + r * H, states + r * plan.num_spans * (H + 2), plan.num_spans, H, row.data());
     }
   }
 }

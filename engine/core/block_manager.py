@@ -186,6 +186,23 @@ class BlockSpaceManager:
             table.append(self.gpu.allocate())
         return cow
 
+    def grow_for_draft(self, seq: Sequence, num_tokens: int) -> bool:
+        """Speculative decoding: cover `num_tokens` (> get_len(): the proposed tokens too) with fresh blocks, if
+        that many are free; False (nothing taken) otherwise. append_slots ran first: the written block is unshared."""
+        table = self.block_tables[seq.seq_id]
+        need = self.blocks_for(num_tokens) - len(table)
+        if need > self.gpu.num_free():
+            return False
+        table.extend(self.gpu.allocate() for _ in range(need))
+        return True
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the whole blocks past the first `num_tokens` tokens (rejected proposals' slots); tail first."""
+        table = self.block_tables[seq.seq_id]
+        keep = max(self.blocks_for(num_tokens), self._num_released.get(seq.seq_id, 0))
+        while len(table) > keep:
+            self.gpu.free(table.pop())
+
     def _release_outside_window(self, seq: Sequence, table: BlockTable, allocator: BlockAllocator) -> None:
         # The next forward's first query is token num_computed_tokens: it, and every later one, sees only
         # tokens from num_computed_tokens - sliding_window + 1 on. Blocks wholly before that go back.

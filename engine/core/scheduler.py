@@ -59,6 +59,9 @@ class SchedulerOutput:
     steady: Optional["SteadyDecode"] = None
     # Rows of `steady` whose block table grew this step (the others' tables are as in the step before).
     steady_grown: list[int] = field(default_factory=list)
+    # Speculative decoding (engine/spec_decode/): seq_id -> tokens proposed after a decoding sequence's last one;
+    # the step runs them as decode rows of their own (one logits row each) and never as a steady decode.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class SteadyDecode:
@@ -447,6 +450,10 @@ class Scheduler:
             if not seq.is_finished():
                 seq.status = status
             self.block_manager.free(seq)
+
+    def drop_steady(self) -> None:
+        """The next decode lists the groups (a speculative step moved sequences by more than one token)."""
+        self._steady = None
 
     # -- after the forward -----------------------------------------------------------
 

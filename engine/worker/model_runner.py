@@ -162,6 +162,7 @@ class ModelRunner:
         self._logits_buffer: Optional[torch.Tensor] = None
         self._trim_heap = find_malloc_trim() if self.device.type == "cpu" else None
         self.graphs: Optional[DecodeGraphs] = None  # CUDA: the decode steps' graphs (capture_graphs)
+        self._drafting = False  # this step verifies proposals (SchedulerOutput.drafts)
 
     def capture_graphs(self, kv_caches: list[KVCache]) -> None:
         """Captures the decode-only steps' CUDA graphs against this cache (engine/worker/cuda_graphs.py), where
@@ -205,6 +206,7 @@ class ModelRunner:
     def _execute(self, out, kv_caches: list[KVCache], at: Callable[[str], None], greedy: bool,
                  ) -> tuple[torch.Tensor | GreedyStats, dict[str, torch.Tensor]]:
         at("prepare_inputs")
+        self._drafting = bool(getattr(out, "drafts", None))
         inp = self.prepare(out)
         at("forward")
         if self.workers is not None:  # the other ranks apply the step's cache moves and join this forward
@@ -262,7 +264,8 @@ class ModelRunner:
 
     def _num_shards(self, inp: ModelInput) -> int:
         meta = inp.meta
-        if not self._split or meta.num_prefill_tokens or inp.prompt_rows:
+        # (A speculative step's rows of one sequence read each other's K/V: they run as one forward.)
+        if not self._split or meta.num_prefill_tokens or inp.prompt_rows or self._drafting:
             return 1
         return min(self._threads, SPLIT_MAX_SHARDS, meta.num_decode_tokens // self._split_min_rows)
 
@@ -334,12 +337,14 @@ class ModelRunner:
         prefill_rows: list[_Row] = []
         decode_rows: list[_Row] = []
         num_sampled = 0
+        drafts = getattr(out, "drafts", None) or {}
         for sg in out.scheduled:
             for seq in sg.group.seqs:
                 if seq.status is SequenceStatus.RUNNING:
                     row = _Row(seq, sg.group, seq.num_computed_tokens, sg.span_end(seq),
                                num_sampled if sg.do_sample else None)
-                    num_sampled += sg.do_sample
+                    # A decode with proposals gets one logits row per position (engine/spec_decode/).
+                    num_sampled += sg.do_sample * (1 + len(drafts.get(seq.seq_id, ())))
                     (prefill_rows if sg.is_prefill else decode_rows).append(row)
         if not prefill_rows and not decode_rows:
             return None
@@ -372,13 +377,16 @@ class ModelRunner:
         decode_tables, decode_lens = [], []
         for seq, _, _, end, logits_row in decode_rows:  # one token each: the last one, at position end - 1
             table = tables[seq.seq_id]
-            position = end - 1
-            logits_indices[logits_row] = len(tokens)
-            tokens.append(seq.get_last_token_id())
-            positions.append(position)
-            slots.append(table[position // bs] * bs + position % bs)
-            decode_tables.append(table)
-            decode_lens.append(end)
+            # With proposals d1..dk: k more rows, each a decode of its own that attends over the K/V this forward
+            # writes for the rows before it (every row's K/V is in the cache before any attention reads it).
+            for i, token in enumerate([seq.get_last_token_id(), *drafts.get(seq.seq_id, ())]):
+                position = end - 1 + i
+                logits_indices[logits_row + i] = len(tokens)
+                tokens.append(token)
+                positions.append(position)
+                slots.append(table[position // bs] * bs + position % bs)
+                decode_tables.append(table)
+                decode_lens.append(position + 1)
 
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),

@@ -238,3 +238,21 @@ def test_bad_block_id_is_an_error_not_a_crash():
     tables[0, 1] = key_cache.shape[0] + 5
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.paged_attention(torch.empty_like(query), query, key_cache, value_cache, tables, lens, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_cpu_rows_do_not_depend_on_the_batch(dtype, block_size):
+    """A row's result is the same bits alone or among others (long contexts, split into spans, included):
+    speculative decoding verifies k + 1 rows of one sequence in a step and must match one row a step."""
+    lens = [700, 701, 702, 703, 704, 90, 300]
+    query, key_cache, value_cache, tables, context = make_case(3, 3, 64, block_size, lens, dtype, "cpu", seed=5)
+    scale = 64 ** -0.5
+    with torch_threads(2):
+        together = torch.empty_like(query)
+        ops.paged_attention(together, query, key_cache, value_cache, tables, context, scale)
+        for i in range(len(lens)):
+            alone = torch.empty_like(query[i:i + 1])
+            ops.paged_attention(alone, query[i:i + 1], key_cache, value_cache, tables[i:i + 1], context[i:i + 1],
+                                scale)
+            assert torch.equal(alone[0], together[i]), i
