@@ -322,6 +322,27 @@ def q8_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
     return out
 
 
+# kquant_gemm's paths (csrc/cpu/kquant_gemm.cpp): PLAIN C++, AVX2 (maddubs), AVX-512 (maddubs on zmm), VNNI (vpdpbusd).
+KQUANT_AUTO, KQUANT_PLAIN, KQUANT_AVX2, KQUANT_AVX512, KQUANT_VNNI = 0, 1, 2, 3, 5
+
+
+def kquant_gemm_isa() -> int:
+    """The best path of the GGML block-format GEMM (KQUANT_*) in the compiled CPU kernels, 0 when none."""
+    module = _load()
+    return 0 if module is None or not hasattr(module, "kquant_gemm_isa") else int(module.kquant_gemm_isa())
+
+
+def kquant_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16, rows contiguous
+                x: torch.Tensor,  # [rows, K] float32 or bfloat16, rows contiguous
+                blob: torch.Tensor,  # int8, engine/model_executor/layers/formats.py pack_parts(parts of W [N, K])
+                bias: Optional[torch.Tensor] = None,  # [N]
+                isa: int = KQUANT_AUTO) -> torch.Tensor:
+    """out = x @ W^T (+ bias), W's row parts each in its GGML block format (Q4_0 .. Q6_K, Q8_0), x quantized to
+    int8 per block. CPU, compiled only (kquant_gemm_isa() > 0); `isa` forces a path the build has (tests)."""
+    _load().kquant_gemm(out, x, blob, bias, isa)
+    return out
+
+
 def decode_layer_slots() -> int:
     """Tensors per layer in llama_decode_layers' weights (the compiled module's count)."""
     return int(_load().decode_layer_slots())
