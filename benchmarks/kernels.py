@@ -1,4 +1,5 @@
-"""CPU/GPU kernel timings: paged decode attention (vs SDPA), silu_and_mul, and the prefill attention path.
+"""CPU/GPU kernel timings: paged decode attention (vs SDPA), silu_and_mul, the prefill attention path, and the CPU
+linears over GGML block formats (Q8_0 .. Q6_K).
 
     python benchmarks/kernels.py                 # paged attention, small CPU-friendly grid (~1 min)
     python benchmarks/kernels.py --full          # batch 1..256 x context 128..4096
@@ -7,7 +8,9 @@
 --smollm2 sets the default model's shapes (9/3 heads of 64, intermediate 1536). `paged` times
 ops.paged_attention, `silu` ops.silu_and_mul on [batch, 2 * intermediate], `prefill` one
 layer's Attention.forward for one prompt per --prompt-lens (plus, with --cached, a prompt
-whose first half is read back from the prefix cache). Prints tables and writes JSON
+whose first half is read back from the prefix cache). `quant` times ops.kquant_gemm per --formats on a [2048, 8192]
+and an [8192, 2048] weight at --quant-rows rows (a decode step reads every weight once: GB/s of packed weight
+bytes is the figure; run it again under PAGEDSERVE_CPU_ISA=avx2 for an AVX2 CPU's paths). Prints tables and writes JSON
 (default benchmarks/results/kernels.json).
 """
 from __future__ import annotations
@@ -122,9 +125,23 @@ def bench_prefill(prompt_len, num_cached, args, device, dtype) -> dict:
     return dict(op="prefill", prompt_len=prompt_len, cached=num_cached, ms=ms)
 
 
+def bench_quant(name: str, n: int, k: int, rows: int, args) -> dict:
+    """One linear of [n, k] in a GGML format (random blocks; Q8_0 goes to q8_gemm through the same blob) at rows."""
+    from engine.model_executor.layers.formats import FORMATS, pack_parts, random_raw
+
+    fmt = FORMATS[name]
+    blob = pack_parts([(fmt, random_raw(fmt, n, k))])
+    x, out = torch.randn(rows, k), torch.empty(rows, n)
+    sec = timed(lambda: ops.kquant_gemm(out, x, blob, None), torch.device("cpu"), args.min_time)
+    return dict(op="quant", format=name, n=n, k=k, rows=rows, ms=sec * 1e3, gb_s=blob.numel() / sec / 1e9,
+                isa=ops.kquant_gemm_isa())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="paged", help="comma-separated: paged, silu, prefill")
+    p.add_argument("--ops", default="paged", help="comma-separated: paged, silu, prefill, quant")
+    p.add_argument("--formats", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K", help="quant: GGML types")
+    p.add_argument("--quant-rows", type=int, nargs="*", default=[1, 8])
     p.add_argument("--full", action="store_true", help="batch 1..256 x context 128..4096")
     p.add_argument("--batches", type=int, nargs="*")
     p.add_argument("--contexts", type=int, nargs="*")
@@ -176,6 +193,13 @@ def main() -> None:
                 rows.append(r := bench_prefill(n - cached, cached, args, device, dtype))
                 print(f"{n - cached:>6} {cached:>6} {r['ms']:>10.4f}", flush=True)
 
+    if "quant" in wanted:
+        print(f"{'format':>6} {'N x K':>11} {'rows':>5} {'ms':>9} {'GB/s':>7}   kquant_gemm path {ops.kquant_gemm_isa()}")
+        for n, k in ((2048, 8192), (8192, 2048)):
+            for name in args.formats.split(","):
+                for m in args.quant_rows:
+                    rows.append(r := bench_quant(name, n, k, m, args))
+                    print(f"{name:>6} {f'{n}x{k}':>11} {m:>5} {r['ms']:>9.3f} {r['gb_s']:>7.2f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=device_name(device), backend=backend.value, dtype=args.dtype, num_heads=args.num_heads,

@@ -192,6 +192,12 @@ void q8_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& pa
   pagedserve::cpu::q8_gemm(out, x, packed, bias, isa);
 }
 
+void kquant_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& blob,
+                 const c10::optional<torch::Tensor>& bias, int64_t isa) {
+  cpu_only({&out, &x, &blob}, "kquant_gemm");
+  pagedserve::cpu::kquant_gemm(out, x, blob, bias, isa);
+}
+
 torch::Tensor llama_decode_layers(const torch::Tensor& embeddings, const torch::Tensor& positions,
                                   const torch::Tensor& cos_sin, const std::vector<torch::Tensor>& weights,
                                   const std::vector<torch::Tensor>& key_caches,
@@ -263,6 +269,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemm", &q8_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"),
         py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/model_executor/layers/quant.py");
   m.def("q8_gemm_isa", &pagedserve::cpu::q8_gemm_isa, "the best q8_gemm path on this CPU and build (0: none)");
+  m.def("kquant_gemm", &kquant_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("blob"), py::arg("bias"),
+        py::arg("isa") = 0, "out = x @ W^T (+ bias) over GGML block formats packed by engine/model_executor/layers/formats.py");
+  m.def("kquant_gemm_isa", &pagedserve::cpu::kquant_gemm_isa, "the best kquant_gemm path on this CPU and build");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");

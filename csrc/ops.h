@@ -159,6 +159,19 @@ void q8_gemm(
 // The best q8_gemm path (the isa codes above), 0 when none.
 int64_t q8_gemm_isa();
 
+// ---- GGML block-format linears (CPU only; csrc/cpu/kquant_gemm.cpp has the layout, formats.py packs it).
+
+// out = x @ W^T (+ bias), W's row parts each in a GGML block format (Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K Q8_0).
+void kquant_gemm(
+    at::Tensor& out,                           // [M, N] float32 or bfloat16, rows contiguous
+    const at::Tensor& x,                       // [M, K] float32 or bfloat16, rows contiguous
+    const at::Tensor& blob,                    // int8, engine/model_executor/layers/formats.py pack_parts (1-D)
+    const c10::optional<at::Tensor>& bias,     // [N] or None
+    int64_t isa);                              // 0 the best; 1 plain C++, 2 AVX2, 3 AVX-512, 5 AVX-512 VNNI
+
+// The best kquant_gemm path (the isa codes above; 1 when only plain C++).
+int64_t kquant_gemm_isa();
+
 // ---- a CPU step's decoder layers in one call (csrc/cpu/decode_layers.cpp; CPU only).
 
 // Runs every decoder layer of a Llama-family model on a step's T tokens with the kernels above, as

@@ -34,10 +34,13 @@ c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
   return b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
 }
 
-// A linear over its packed weight: int8 (engine/model_executor/layers/quant.py's uint8 Q8_0 form) or small_gemm's float32 / bfloat16.
+// A linear over its packed weight: int8 (engine/model_executor/layers/quant.py's uint8 Q8_0 form), GGML block formats
+// (engine/model_executor/layers/formats.py's int8 blob of parts) or small_gemm's float32 / bfloat16.
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   if (w.scalar_type() == at::kByte) {
     q8_gemm(out, x, w, bias_of(bias), 0);
+  } else if (w.scalar_type() == at::kChar) {
+    kquant_gemm(out, x, w, bias_of(bias), 0);
   } else {
     small_gemm(out, x, w, bias_of(bias), 0);
   }
@@ -141,7 +144,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
       const int64_t n = std::min(mlp_rows, t - r);
       at::Tensor x_rows = x.narrow(0, r, n), act_rows = act.narrow(0, 0, n);
       // gate_up and its activation in one pass where the path has fused tiles (the same bits as the two calls)
-      if (w[kGateUp].scalar_type() == at::kByte ||  // int8 weights: no fused tiles
+      if (w[kGateUp].scalar_type() == at::kByte || w[kGateUp].scalar_type() == at::kChar ||  // quantized: no fused tiles
           !small_gemm_glu(act_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0)) {
         if (!gate_up.defined()) gate_up = at::empty({mlp_rows, 2 * intermediate_size}, opts);
         at::Tensor gate_up_rows = gate_up.narrow(0, 0, n);

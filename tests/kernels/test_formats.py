@@ -12,23 +12,11 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from engine.model_executor.layers.formats import (FORMATS, attach_quantized_linear, format_of,  # noqa: E402
-                                                  get_format)
-
-# Where each format keeps its float16 scales (random bytes there could be inf / NaN).
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,)}
-
+                                                  get_format, random_raw)
 
 def random_rows(name: str, n: int, k: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
     """n rows of k weights of a format: random codes and scales, finite float16 fields: uint8 [n, row_bytes]."""
-    fmt = FORMATS[name]
-    rng = np.random.default_rng(seed)
-    kb = k // fmt.block_weights
-    raw = rng.integers(0, 256, size=(n, kb, fmt.block_bytes), dtype=np.uint8)
-    for off in F16_FIELDS[name]:
-        vals = (rng.standard_normal((n, kb)) * scale).astype(np.float16)
-        raw[..., off:off + 2] = vals.view(np.uint8).reshape(n, kb, 2)
-    return torch.from_numpy(raw.reshape(n, -1))
+    return random_raw(FORMATS[name], n, k, seed, scale)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

@@ -281,13 +281,16 @@ def _pack_rows(fmt: WeightFormat, raw: torch.Tensor, k: int) -> torch.Tensor:
         s = v.shape[1] // sb
         return v.view(nb, COLS, sb, s).permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(nb, sb, -1)
 
+    def pairs(v: torch.Tensor) -> torch.Tensor:  # int8 [Np, sb * subs] -> [nb, sb, subs / 2 * 16 * 2]
+        return v.view(nb, COLS, sb, -1, 2).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).reshape(nb, sb, -1)
+
     parts.append(per_col(d.half()))
     if _stores_m(fmt):
         parts.append(per_col(m.half()))
-    if sc is not None:
-        parts.append(per_col(sc))
+    if sc is not None:  # sub-blocks 2i and 2i + 1 of a column side by side: one int16 pair a 32-bit lane
+        parts.append(pairs(sc))
         if fmt.name in ("Q4_K", "Q5_K"):
-            parts.append(per_col(mn))
+            parts.append(pairs(mn))
     return torch.cat(parts, dim=-1).reshape(-1)
 
 
@@ -380,3 +383,55 @@ def format_of(linear: nn.Module) -> Optional[list[tuple[WeightFormat, int]]]:
     if getattr(linear, "_q8", False):
         return [(FORMATS["Q8_0"], linear.out_features)]
     return None
+
+
+# ------------------------------------------------------------------ references (tests, benchmarks)
+
+# Where each format keeps its float16 scales (random bytes there could be inf / NaN).
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+              "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_raw(fmt: WeightFormat, n: int, k: int, seed: int = 0, scale: float = 0.01) -> torch.Tensor:
+    """n rows of k weights of fmt with random codes and sub-scales, float16 fields ~ N(0, scale): uint8
+    [n, row_bytes] (tests and benchmarks)."""
+    gen = torch.Generator().manual_seed(seed)
+    kb = k // fmt.block_weights
+    raw = torch.randint(0, 256, (n, kb, fmt.block_bytes), dtype=torch.uint8, generator=gen)
+    for off in F16_FIELDS[fmt.name]:
+        vals = (torch.randn(n, kb, generator=gen) * scale).half()
+        raw[..., off:off + 2] = vals.view(torch.uint8).view(n, kb, 2)
+    return raw.view(n, -1)
+
+
+def quantize_activations(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] per block of s as the kernel quantizes it: (xq float [M, K] of integers in [-127, 127], dx float32
+    [M, K / s]); dx = amax / 127, xq = round-half-even(x * (1 / dx)), 0 for a block of zeros."""
+    m, k = x.shape
+    xb = x.float().view(m, k // s, s)
+    dx = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(dx == 0, torch.zeros_like(dx), 1.0 / dx)
+    return torch.round(xb * inv.unsqueeze(-1)).clamp_(-127, 127).view(m, k), dx
+
+
+def ref_kquant_gemm(x: torch.Tensor, fmt: WeightFormat, raw: torch.Tensor, bias: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+    """float64 [M, N] reference of kquant_gemm for one part: x quantized per block (quantize_activations), each
+    block's exact integer sums S1 = sum_j sc_j sum q xq and S2 = sum_j mn_j sum xq, scaled by dx * (D S1 - M S2)."""
+    q, d, mvals, sc, mn = fmt.components(raw)
+    n, k = q.shape
+    s = fmt.block_weights
+    xq, dx = quantize_activations(x, s)
+    m = x.shape[0]
+    sub = fmt.sub_weights or s
+    qs = q.double().view(n, k // sub, sub)
+    xs = xq.double().view(m, k // sub, sub)
+    dots = torch.einsum("mjc,njc->mnj", xs, qs)  # [M, N, K / sub], exact
+    bsum = xs.sum(-1)  # [M, K / sub]
+    scv = torch.ones(n, k // sub, dtype=torch.float64) if sc is None else sc.double()
+    mnv = torch.ones(n, k // sub, dtype=torch.float64) if mn is None else mn.double()
+    per = s // sub
+    s1 = (dots * scv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
+    s2 = (bsum.unsqueeze(1) * mnv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
+    out = (dx.double().unsqueeze(1) * (d.double().unsqueeze(0) * s1 - mvals.double().unsqueeze(0) * s2)).sum(-1)
+    return out if bias is None else out + bias.double()

@@ -1,0 +1,108 @@
+"""The GGML block-format GEMM (csrc/cpu/kquant_gemm.cpp) against its pure-torch reference (formats.ref_kquant_gemm:
+x quantized per block as the kernel does, exact integer block sums in float64) on every ISA path this build runs
+(plain C++, AVX2, AVX-512, AVX-512 VNNI; `make test-avx2` runs the AVX2 build's), for each format, odd shapes (N
+not a multiple of the 16-column block, K of 1 to 3 blocks), 1 to 300 rows, float32 and bfloat16, with a bias,
+mixed-format parts (a Q4_K_M qkv, a Q8_0 part among them), and the same bits on one and two threads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import ops
+from engine.model_executor.layers.formats import FORMATS, pack_parts, ref_kquant_gemm
+from kernels.conftest import torch_threads
+from kernels.test_formats import random_rows
+
+BEST = ops.kquant_gemm_isa()
+pytestmark = pytest.mark.skipif(BEST == 0, reason="no compiled kquant_gemm")
+ISAS = [isa for isa in (ops.KQUANT_PLAIN, ops.KQUANT_AVX2, ops.KQUANT_AVX512, ops.KQUANT_VNNI) if isa <= BEST]
+KQUANTS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+SCALE = {"Q4_K": 1e-3, "Q5_K": 1e-3, "Q6_K": 1e-4}  # float16 d: weights of order 0.1 to 1
+ROWS = (1, 2, 3, 4, 5, 8, 13, 32, 300)
+
+
+def _rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    return random_rows(name, n, k, seed, SCALE.get(name, 0.01))
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """float32 rounding of the block sums (each |D S1| + |M S2| at most a few |x| . |w|); bfloat16: one rounding."""
+    bound = x.double().abs() @ w.double().abs().T
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5 * bound.max().item() + 1e-6, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5 * bound.max().item() + 1e-6, rtol=8e-3)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", KQUANTS)
+def test_kquant_gemm_matches_reference(name, isa):
+    fmt = FORMATS[name]
+    for n, blocks in ((16, 1), (37, 2), (5, 3), (100, 1)):
+        k = blocks * fmt.block_weights
+        raw = _rows(name, n, k, seed=n + blocks)
+        blob, w = pack_parts([(fmt, raw)]), fmt.dequantize(raw)
+        gen = torch.Generator().manual_seed(n)
+        for rows in ROWS if isa != ops.KQUANT_PLAIN or n < 50 else ROWS[:6]:
+            x = torch.randn(rows, k, generator=gen)
+            out = ops.kquant_gemm(torch.empty(rows, n), x, blob, None, isa)
+            _check(out, ref_kquant_gemm(x, fmt, raw), x, w)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_bias_and_strided_rows(isa):
+    fmt = FORMATS["Q4_K"]
+    n, k = 40, 512
+    raw = _rows("Q4_K", n, k, 7)
+    blob = pack_parts([(fmt, raw)])
+    bias = torch.randn(n)
+    wide = torch.randn(6, k + 24).bfloat16()
+    x = wide[:, 8:8 + k]  # rows k + 24 apart
+    ref = ref_kquant_gemm(x.float(), fmt, raw, bias)
+    _check(ops.kquant_gemm(torch.empty(6, n, dtype=torch.bfloat16), x, blob, bias.bfloat16(), isa),
+           ref_kquant_gemm(x.float(), fmt, raw, bias.bfloat16().float()), x.float(), fmt.dequantize(raw))
+    _check(ops.kquant_gemm(torch.empty(6, n), x, blob, bias, isa), ref, x.float(), fmt.dequantize(raw))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_mixed_parts_write_their_columns(isa):
+    """A Q4_K_M qkv (q, k Q4_K; v Q6_K) with a Q8_0 and a Q5_0 part after it: each part's columns are its own
+    product (a Q8_0 part goes through q8_gemm, whose reference is the float product)."""
+    k = 512
+    names = [("Q4_K", 64), ("Q4_K", 21), ("Q6_K", 16), ("Q8_0", 19), ("Q5_0", 3)]
+    parts = [(FORMATS[name], _rows(name, n, k, i)) for i, (name, n) in enumerate(names)]
+    blob = pack_parts(parts)
+    bias = torch.randn(sum(n for _, n in names))
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, k)
+        out = ops.kquant_gemm(torch.empty(rows, bias.numel()), x, blob, bias, isa)
+        col = 0
+        for fmt, raw in parts:
+            n = raw.shape[0]
+            w = fmt.dequantize(raw)
+            if fmt.name == "Q8_0":
+                ref = x.double() @ w.double().T + bias[col:col + n].double()
+                torch.testing.assert_close(out[:, col:col + n].double(), ref, atol=2e-2, rtol=2e-2)
+            else:
+                _check(out[:, col:col + n], ref_kquant_gemm(x, fmt, raw, bias[col:col + n]), x, w)
+            col += n
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_same_bits_on_one_and_two_threads(isa):
+    fmt = FORMATS["Q6_K"]
+    raw = _rows("Q6_K", 250, 512, 9)  # 16 column blocks, the last partial
+    blob = pack_parts([(fmt, raw)])
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 512)
+        outs = []
+        for threads in (1, 2):
+            with torch_threads(threads):
+                outs.append(ops.kquant_gemm(torch.empty(rows, 250), x, blob, None, isa))
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_a_path_this_build_lacks_is_refused():
+    blob = pack_parts([(FORMATS["Q4_0"], _rows("Q4_0", 16, 32, 0))])
+    with pytest.raises(RuntimeError, match="ISA path"):
+        ops.kquant_gemm(torch.empty(1, 16), torch.randn(1, 32), blob, None, 9)
