@@ -120,7 +120,7 @@ build_llama_quantize() {  # the same tree and build folder: only its own objects
 
 # The default model as the converted HF folder (engine/model_executor/loader.py), then as one GGUF per dtype.
 convert_ggufs() {
-    local model
+    local model dtype
     model=$(model_dir)
     if [[ ! -d $LLAMA/pydeps ]]; then  # beside pagedserve's own packages (torch, transformers, numpy)
         "$PY" -m pip install -q --no-deps --target "$LLAMA/pydeps.partial" sentencepiece
@@ -133,7 +133,7 @@ convert_ggufs() {
         if quantized "$dtype"; then
             DTYPES=bfloat16 convert_ggufs
             build_llama_quantize
-            "$BUILD/bin/llama-quantize" "$(gguf_file bfloat16)" "$out.partial" "${dtype^^}" "$THREADS"
+            nice "$BUILD/bin/llama-quantize" "$(gguf_file bfloat16)" "$out.partial" "${dtype^^}" "$THREADS"
             mv "$out.partial" "$out"
             continue
         fi

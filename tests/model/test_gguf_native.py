@@ -3,8 +3,10 @@
 256-blocks, F32 norms) plus a Q3_K tensor (no kernel here: dequantized with a warning) and a Q4_1 one; and
 `--quantization q4_k` / `q4_0` on the float checkpoint.
 
-The comparison is the file against itself: transformers dequantizes the same file (`--quantization none`) and the
-greedy tokens must agree for >= 95 % (the kernels quantize activations, so a near-tie may flip)."""
+The comparison is the file against itself: transformers dequantizes the same file (`--quantization none`), and at
+>= 95 % of the positions of its greedy continuations the native model's top token is the dequantized model's greedy
+token (teacher-forced: the kernels quantize activations to int8 per block, and this random model's logits are
+nearly flat, top-two gaps of ~0.005 in logprob; one flipped near-tie would otherwise change every later token)."""
 from __future__ import annotations
 
 import logging
@@ -72,13 +74,19 @@ def _llm(model, **kwargs) -> LLM:
     return LLM(str(model), max_model_len=128, block_size=16, num_cpu_blocks_override=16, seed=0, **kwargs)
 
 
-def _greedy(llm: LLM, tokens: int = 24) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _agree(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / sum(len(p) for p in b)
+def _agree(llm: LLM, reference: LLM, tokens: int = 24) -> float:
+    """The share of the reference's greedy tokens (after each prompt) that are llm's top token at that position,
+    given the same prefix (prompt_logprobs over prompt + the reference's continuation)."""
+    tok = reference.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    outs = reference.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
+        temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    scored = llm.generate(prompt_token_ids=full, sampling_params=SamplingParams(
+        temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    same = [max(o.prompt_logprobs[i], key=o.prompt_logprobs[i].get) == ids[i]
+            for p, ids, o in zip(prompts, full, scored) for i in range(len(p), len(ids))]
+    return sum(same) / len(same)
 
 
 def _file_weight(path: Path, gguf_name: str, heads: int = 0) -> torch.Tensor:
@@ -135,9 +143,8 @@ def test_mixed_file_embedding_gathers_dequantized_rows_from_a_map(mixed_gguf):
 
 
 def test_mixed_file_greedy_matches_the_file_dequantized(mixed_gguf):
-    native = _greedy(_llm(mixed_gguf, dtype="float32"))
-    dequantized = _greedy(_llm(mixed_gguf, dtype="float32", quantization="none"))
-    assert _agree(native, dequantized) >= 0.95, (native, dequantized)
+    agree = _agree(_llm(mixed_gguf, dtype="float32"), _llm(mixed_gguf, dtype="float32", quantization="none"))
+    assert agree >= 0.95, agree
 
 
 def test_tied_file_head_reads_token_embd(hf_dir, tmp_path):
@@ -167,8 +174,8 @@ def test_tied_file_head_reads_token_embd(hf_dir, tmp_path):
 @pytest.mark.parametrize("quantization, kinds", [("q4_k", {"Q4_K", "Q5_0"}), ("q4_0", {"Q4_0"})])
 def test_quantization_flag_quantizes_a_float_checkpoint(hf_dir, tmp_path, quantization, kinds):
     """`--quantization q4_k` / `q4_0` on the float checkpoint: every linear in that type (Q4_K's fallback Q5_0 for
-    the 288-wide down_proj rows), the embedding too; its greedy tokens are those of the float model whose weights
-    are the same blocks dequantized (written here as a float folder)."""
+    the 288-wide down_proj rows), the embedding too; its top tokens are the greedy tokens of the float model whose
+    weights are the same blocks dequantized (written here as a float folder)."""
     from safetensors.torch import load_file, save_file
 
     from engine.model_executor.layers.ggml_quantize import fallback_type, quantize_rows
@@ -189,9 +196,8 @@ def test_quantization_flag_quantizes_a_float_checkpoint(hf_dir, tmp_path, quanti
             w = formats.get_format(kind).dequantize(quantize_rows(w, kind))
         state[name] = w.contiguous()
     save_file(state, str(deq / "model.safetensors"))
-    quantized = _greedy(_llm(hf_dir, dtype="float32", quantization=quantization))
-    reference = _greedy(_llm(deq, dtype="float32"))
-    assert _agree(quantized, reference) >= 0.95, (quantized, reference)
+    agree = _agree(_llm(hf_dir, dtype="float32", quantization=quantization), _llm(deq, dtype="float32"))
+    assert agree >= 0.95, agree
 
 
 _PEAK = """

@@ -5,8 +5,8 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 give the bytes gguf-py's quantizer gives (gguf.quan
 arithmetic, truncation and ties); Q4_K, Q5_K follow make_qkx2_quants (a scale and a min per 32 weights, searched over
 nstep candidate scales for the least weighted squared error, then rounded to 6 bits under the super-block's float16
 d / dmin) and Q6_K make_qx_quants (a signed scale per 16 weights, 19 candidates, 8-bit scales under one d). Sums are
-torch's (pairwise), not C's sequential ones: a K-quant byte can differ from llama-quantize's where two candidate
-errors tie to the last bit.
+torch's (pairwise), not C's sequential ones, and a candidate's error comes from the group's sums: a K-quant byte can
+differ from llama-quantize's where two candidates' errors are within rounding of each other.
 
 quantize_rows(w [N, K], name) -> uint8 [N, K / block_weights * block_bytes], one row after another as GGUF lays
 them; a chunk of rows at a time, so the float temporaries stay a few MiB. fallback_type gives llama.cpp's type for a
@@ -108,23 +108,36 @@ def _q8_0(x: torch.Tensor) -> torch.Tensor:  # [B, 32] -> [B, 34]
 def _qkx2(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor]:
     """make_qkx2_quants over groups of 32 (x float32 [G, 32]): (L uint8-valued int64 [G, 32], scale [G], -min [G]).
-    Weights av_x + |x| (quantize_row_q4_K_ref's); the min is never above 0."""
+    Weights av_x + |x| (quantize_row_q4_K_ref's); the min is never above 0. As in llama.cpp, a candidate's levels
+    are taken from the best min so far (x - min, over max - min). A candidate's weighted squared error is expanded
+    into the group's sums (sum w (s l + m - x)^2 from sum w l^2, w l, w l x, w, w x, w x^2): [G, 1] arithmetic, not
+    another pass over the weights."""
     w = (x * x).mean(dim=-1, keepdim=True).sqrt() + x.abs()
     lo = x.amin(dim=-1, keepdim=True).clamp(max=0)
     hi = x.amax(dim=-1, keepdim=True)
-    span = hi - lo
-    flat = span == 0
-    span = torch.where(flat, torch.ones_like(span), span)
-    sum_w, sum_x = w.sum(-1, keepdim=True), (w * x).sum(-1, keepdim=True)
-    iscale = _over(nmax, span)
+    flat = hi == lo
+    wx = w * x
+    sum_w, sum_x, sum_x2 = w.sum(-1, keepdim=True), wx.sum(-1, keepdim=True), (wx * x).sum(-1, keepdim=True)
+
+    def span() -> torch.Tensor:
+        d = hi - lo
+        return torch.where(d == 0, torch.ones_like(d), d)
+
+    def error(s, m, l_sum, l2_sum, xl_sum):  # sum w (s l + m - x)^2
+        return (s * s * l2_sum + 2 * s * m * l_sum - 2 * s * xl_sum + m * m * sum_w - 2 * m * sum_x + sum_x2)
+
+    iscale = _over(nmax, span())
     scale = _over(1.0, iscale)
     levels = torch.round(iscale * (x - lo)).clamp(0, nmax)
-    best = (w * (scale * levels + lo - x) ** 2).sum(-1, keepdim=True)
+    wl = w * levels
+    best = error(scale, lo, wl.sum(-1, keepdim=True), (wl * levels).sum(-1, keepdim=True),
+                 (wl * x).sum(-1, keepdim=True))
     for step in range(nstep + 1):
-        iscale = _over(_f32(rmin, np.float32(rdelta) * np.float32(step), nmax), span)
-        cand = torch.round(iscale * (x - lo)).clamp(0, nmax)
-        sum_l, sum_l2, sum_xl = (w * cand).sum(-1, keepdim=True), (w * cand * cand).sum(-1, keepdim=True), \
-            (w * cand * x).sum(-1, keepdim=True)
+        iscale = _over(_f32(rmin, np.float32(rdelta) * np.float32(step), nmax), span())
+        cand = torch.round(iscale * (x - lo)).clamp_(0, nmax)
+        wl = w * cand
+        sum_l, sum_l2, sum_xl = wl.sum(-1, keepdim=True), (wl * cand).sum(-1, keepdim=True), \
+            (wl * x).sum(-1, keepdim=True)
         det = sum_w * sum_l2 - sum_l * sum_l
         ok = det > 0
         safe = torch.where(ok, det, torch.ones_like(det))
@@ -133,7 +146,7 @@ def _qkx2(x: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int) ->
         pos = this_min > 0
         this_scale = torch.where(pos, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), this_scale)
         this_min = torch.where(pos, torch.zeros_like(this_min), this_min)
-        err = (w * (this_scale * cand + this_min - x) ** 2).sum(-1, keepdim=True)
+        err = error(this_scale, this_min, sum_l, sum_l2, sum_xl)
         better = ok & (err < best)
         levels = torch.where(better, cand, levels)
         best = torch.where(better, err, best)
