@@ -22,7 +22,10 @@
 // bytes}, then the parts; a Q8_0 part is csrc/cpu/q8_gemm.cpp's own layout and goes there.
 //
 // Threads: each part's column blocks split over the caller's OpenMP threads. Every row count runs the int8 tiles
-// (4 rows a tile, each tile streams the weights of its column block once; taller batches re-read them from cache).
+// (8 rows a tile on AVX-512, 4 on AVX2; a tile streams its column block's weights once, prefetching 4 KiB ahead,
+// and taller batches re-read them from cache). Measured on the 2-vCPU Xeon (Cascade Lake, VNNI), one thread, a
+// [2048, 8192] Q4_K weight: 1 row 0.81 ms (12.0 GB/s of packed weights; Q8_0's q8_gemm 1.59 ms, 11.2 GB/s), 8 rows
+// 1.56 ms; the explicit prefetch took 1 row from 1.48 ms, 8-row tiles took 8 rows from 1.94 ms.
 #include <omp.h>
 
 #include <algorithm>
@@ -49,7 +52,8 @@ namespace {
 
 constexpr int64_t kCols = 16;
 constexpr int64_t kMagic = 0x4B51504B;
-constexpr int64_t kRows = 4;                 // rows of x per tile
+constexpr int64_t kRows = 4;                 // rows of x per tile (AVX2: 16 ymm)
+constexpr int64_t kRowsWide = 8;             // rows of x per tile (AVX-512: 32 zmm)
 constexpr int64_t kMinBlocksPerThread = 4;   // column blocks: a second thread costs more below this
 
 enum Isa : int64_t { kAuto = 0, kPlain = 1, kAvx2 = 2, kAvx512 = 3, kVnni = 5 };
@@ -386,6 +390,11 @@ inline void chunk_groups(const uint8_t* b, int j32, int lane0, const int8_t* con
   }
 }
 
+// Bytes of a block's stream a 32-k chunk prefetches (whole lines), and how far ahead.
+template <class F>
+constexpr int kChunkBytes = (F::kBytes / F::kJ32 + 63) / 64 * 64;
+constexpr int kPrefetchBytes = 4096;
+
 // R rows of one 16-column block over all of K: H halves of V::kL columns.
 template <class V, class F, int R>
 void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Out& o, int64_t col0) {
@@ -400,7 +409,6 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
   const int64_t n32 = xq.k / 32, n16 = xq.k / 16, ns = xq.k / F::kS;
   for (int64_t s = 0; s < sb; ++s) {
     const uint8_t* b = w + s * F::kBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(b + 8 * F::kBytes), _MM_HINT_T0);
     for (int h = 0; h < H; ++h) {
       const int lane0 = h * V::kL;
       I s1[R];
@@ -417,6 +425,11 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
           odd = V::or_(V::and_(odd, V::set32(0xffff)), V::template shl32<16>(odd));
           if constexpr (F::kSub == 32) sca = scb = (j32 & 1) ? odd : even;
           else sca = even, scb = odd;
+        }
+        if (h == 0) {  // this chunk's share of the stream kPrefetchBytes ahead (the hardware prefetcher alone lags)
+          const uint8_t* ahead = b + kPrefetchBytes + j32 * kChunkBytes<F>;
+          for (int line = 0; line < kChunkBytes<F>; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
         }
         const int64_t k0 = s * F::kS + j32 * 32;
         chunk_groups<V, F, R, 0>(b, j32, lane0, xr, k0, ia, ib, sca, scb);
@@ -472,12 +485,17 @@ void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int6
   const int64_t sb = xq.k / F::kS;
   for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* wb = w + blk * sb * F::kBytes;
-    for (int64_t r = 0; r < m; r += kRows) {
-      switch (std::min<int64_t>(kRows, m - r)) {
+    constexpr int64_t rows = V::kL == 16 ? kRowsWide : kRows;
+    for (int64_t r = 0; r < m; r += rows) {
+      switch (std::min<int64_t>(rows, m - r)) {
         case 1: tile<V, F, 1>(xq, r, wb, sb, o, blk * kCols); break;
         case 2: tile<V, F, 2>(xq, r, wb, sb, o, blk * kCols); break;
         case 3: tile<V, F, 3>(xq, r, wb, sb, o, blk * kCols); break;
-        default: tile<V, F, 4>(xq, r, wb, sb, o, blk * kCols); break;
+        case 4: tile<V, F, 4>(xq, r, wb, sb, o, blk * kCols); break;
+        case 5: tile<V, F, rows < 5 ? 4 : 5>(xq, r, wb, sb, o, blk * kCols); break;
+        case 6: tile<V, F, rows < 6 ? 4 : 6>(xq, r, wb, sb, o, blk * kCols); break;
+        case 7: tile<V, F, rows < 7 ? 4 : 7>(xq, r, wb, sb, o, blk * kCols); break;
+        default: tile<V, F, rows < 8 ? 4 : 8>(xq, r, wb, sb, o, blk * kCols); break;
       }
     }
   }
