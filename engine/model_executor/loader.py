@@ -292,7 +292,11 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
     quantization = _quantization(config, model_path, fmt, device, tp)
     if fmt is LoadFormat.DUMMY:
         model.init_dummy_weights(seed=config.seed)
-    elif quantization == "gguf-q8":
+    elif quantization == "gguf":
+        from engine.model_executor.gguf_native import load_native_gguf
+
+        load_native_gguf(model, model_path, hf_config, dtype)
+    elif quantization == "gguf-q8":  # a Q8_0 file of a family the any-type loader does not map (Qwen3, Gemma 3, MoE)
         from engine.model_executor.gguf_q8 import load_q8_gguf
 
         load_q8_gguf(model, model_path, hf_config, dtype)
@@ -305,6 +309,10 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
         from engine.model_executor.layers.quant import quantize_linears
 
         quantize_linears(model)
+    elif quantization not in (None, "gguf", "fp8"):
+        from engine.model_executor.layers.ggml_linears import quantize_model
+
+        quantize_model(model, quantization)
     elif quantization == "fp8":
         from engine.model_executor.layers.fp8 import quantize_linears_fp8
 
@@ -323,10 +331,13 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
 
 def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, device: torch.device,
                   tp: Optional[TPGroup]) -> Optional[str]:
-    """How the weights are held: None (floats), "int8" (a float checkpoint quantized at load), "gguf-q8" (a Q8_0
-    GGUF's blocks as they are) or "fp8" (the decoder's linears quantized at load to e4m3). A Q8_0 GGUF is served
-    natively unless --quantization none or fp8 (then dequantized first); ValueError where int8 or fp8 was asked for
-    and cannot run."""
+    """How the weights are held: None (floats), "gguf" (a quantized GGUF's blocks as they are, every tensor in its own
+    type: engine/model_executor/gguf_native.py), "gguf-q8" (a Q8_0 GGUF of the other families, MoE experts included:
+    engine/model_executor/gguf_q8.py), "int8" / "q4_k" / "q4_0" / ... (a float checkpoint quantized at
+    load to llama.cpp's blocks of that type) or "fp8" (the decoder's linears quantized at load to e4m3). A quantized
+    GGUF is served natively on one CPU rank unless --quantization none or fp8 (then dequantized first), or a
+    --quantization whose type the file's linears are not (then dequantized and quantized again); ValueError where
+    a quantization was asked for and cannot run."""
     if config.quantization == "none":
         return None
     if config.quantization == "fp8":
@@ -339,18 +350,31 @@ def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, devic
             logger.warning("--quantization fp8 on a CPU runs torch's reference fp8 matmul, ~25x slower than "
                            "bfloat16: it is there to check the path; --quantization int8 is the CPU's fast one")
         return "fp8"
-    from engine.model_executor.gguf_q8 import is_q8_gguf
+    from engine.model_executor.gguf_native import is_native_gguf, linear_types
     from engine.model_executor.layers.quant import q8_available
 
-    q8_gguf = fmt is LoadFormat.GGUF and is_q8_gguf(model_path)
     single = tp is None or tp.world_size == 1
+    native = fmt is LoadFormat.GGUF and device.type == "cpu" and single and is_native_gguf(model_path)
+    if not native and fmt is LoadFormat.GGUF and device.type == "cpu" and single:
+        from engine.model_executor.gguf_q8 import is_q8_gguf
+
+        if is_q8_gguf(model_path) and config.quantization in (None, "int8") and q8_available():
+            return "gguf-q8"
     if config.quantization is None:
-        return "gguf-q8" if q8_gguf and device.type == "cpu" and single and q8_available() else None
+        return "gguf" if native else None
     if device.type != "cpu" or not single:
-        raise ValueError("--quantization int8 runs on one CPU rank only (not on CUDA, not with tensor parallelism).")
+        raise ValueError(f"--quantization {config.quantization} runs on one CPU rank only (not on CUDA, not with "
+                         "tensor parallelism).")
     if not q8_available():
-        raise ValueError("--quantization int8 needs pagedserve's compiled CPU kernels on a CPU with AVX2 and FMA.")
-    return "gguf-q8" if q8_gguf else "int8"
+        raise ValueError(f"--quantization {config.quantization} needs pagedserve's compiled CPU kernels on a CPU with "
+                         "AVX2 and FMA.")
+    from engine.model_executor.layers.ggml_linears import BLOCK_QUANTIZATIONS
+    from engine.model_executor.layers.ggml_quantize import FALLBACK
+
+    want = BLOCK_QUANTIZATIONS.get(config.quantization, "Q8_0")
+    if native and linear_types(model_path) <= {want, FALLBACK.get(want)}:
+        return "gguf"  # the file already holds that type
+    return config.quantization
 
 
 def hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config, Qwen3Config
 
 from engine.model_executor.gguf_meta import gguf_config
-from engine.model_executor.gguf_q8 import hf_name, is_q8_gguf
+from engine.model_executor.gguf_file import hf_name
+from engine.model_executor.gguf_q8 import is_q8_gguf
 from engine.model_executor.models.llama_args import ModelArgs, layer_ropes, sliding_windows
 from engine.model_executor.models.rope import rope_inv_freq
 

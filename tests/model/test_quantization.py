@@ -6,7 +6,6 @@ permuted for llama.cpp's RoPE, the default model's tokenizer metadata), so trans
 tokenizer, and dequantizes it for the float comparison."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,77 +15,16 @@ import torch
 from engine import LLM, SamplingParams, ops
 from engine.config import EngineConfig
 from engine.model_executor.layers.quant import dequantize_q8_0, quantize_q8_0
+from tiny_models import write_llama_gguf
 
 pytestmark = pytest.mark.skipif(ops.q8_gemm_isa() == 0, reason="no int8 GEMM path on this CPU")
 
 PROMPTS = ["The capital of France is", "Once upon a time, there", "1, 2, 3, 4,", "def add(a, b):"]
-_GGUF_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm"}
-
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp convert_hf_to_gguf's LlamaModel.permute
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_q8_gguf(hf_dir: Path, out: Path) -> Path:
-    """hf_dir's Llama as a Q8_0 GGUF, as llama.cpp's convert_hf_to_gguf.py --outtype q8_0 lays it out."""
-    import gguf
-    from safetensors.torch import load_file
-
-    from engine.model_executor.loader import default_gguf_path
-
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    reader = gguf.GGUFReader(str(default_gguf_path()))  # the default model's tokenizer, as metadata
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub)
-    state = load_file(str(hf_dir / "model.safetensors"))
-    for name, t in state.items():
-        w = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            layer, part = name.removeprefix("model.layers.").split(".", 1)
-            part, suffix = part.rsplit(".", 1)
-            gname = f"blk.{layer}.{_GGUF_PARTS[part]}.{suffix}"
-            if part == "self_attn.q_proj":
-                w = _permute(w, cfg["num_attention_heads"])
-            elif part == "self_attn.k_proj":
-                w = _permute(w, cfg["num_key_value_heads"])
-        if w.ndim == 2:
-            writer.add_tensor(gname, gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(gname, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 @pytest.fixture(scope="module")
 def q8_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
-    return write_q8_gguf(tiny_llama_dir, tmp_path_factory.mktemp("q8") / "tiny-q8_0.gguf")
+    return write_llama_gguf(tiny_llama_dir, tmp_path_factory.mktemp("q8") / "tiny-q8_0.gguf")  # every 2-D: Q8_0
 
 
 def _llm(model, **kwargs) -> LLM:
@@ -162,24 +100,24 @@ def test_q8_0_gguf_untied_embedding_is_read_through_a_map_of_the_file(q8_gguf):
 
     model = _load(model=str(q8_gguf))
     emb = model.embed_tokens
-    assert _mapped_files(emb._q8_file_blocks.data_ptr()) == [str(q8_gguf)]
+    assert _mapped_files(emb._block_rows.data_ptr()) == [str(q8_gguf)]
     t = next(t for t in gguf.GGUFReader(str(q8_gguf)).tensors if t.name == "token_embd.weight")
     raw = torch.from_numpy(np.array(t.data)).view(emb.num_embeddings, -1, 34)
     q, d = raw[..., 2:].contiguous().view(torch.int8).flatten(1), raw[..., :2].contiguous().view(torch.float16)[..., 0]
     ids = torch.tensor([[0, 3], [49151, 17]])
     torch.testing.assert_close(emb(ids), dequantize_q8_0(q, d)[ids], rtol=0, atol=0)
-    assert _mapped_rss_kib(emb._q8_file_blocks.data_ptr()) == 0
+    assert _mapped_rss_kib(emb._block_rows.data_ptr()) == 0
     for bad in ([0, -1], [49152]):
         with pytest.raises(IndexError):
             emb(torch.tensor(bad))
 
 
 def test_gguf_header_reader_gives_gguf_py_tensor_infos(q8_gguf):
-    """engine/model_executor/gguf_q8.py's own header reader (metadata skipped) gives the architecture and tensor
+    """engine/model_executor/gguf_file.py's own header reader (metadata skipped) gives the architecture and tensor
     infos gguf.GGUFReader gives, on the Q8_0 file and on the default model's Q4_1 one."""
     import gguf
 
-    from engine.model_executor.gguf_q8 import _Info, _read_header
+    from engine.model_executor.gguf_file import _Info, _read_header
     from engine.model_executor.loader import default_gguf_path
 
     for path in (q8_gguf, default_gguf_path()):

@@ -53,7 +53,7 @@ def _transformers_model(path: Path):
     from transformers import Gemma3ForCausalLM
 
     from engine.model_executor.gguf_meta import gguf_config
-    from engine.model_executor.gguf_q8 import _read_header, hf_name
+    from engine.model_executor.gguf_file import _read_header, hf_name
 
     arch, infos = _read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")

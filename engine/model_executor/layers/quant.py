@@ -3,7 +3,7 @@
 Q8_0: each run of 32 weights along a row's K is 32 int8 values q and one float16 scale d (w = d * q): 34 bytes per
 32 weights, against bfloat16's 64. A decode step reads every weight once, so at a few rows the linears read about
 half the bytes. The blocks come from a float checkpoint (`--quantization int8`: quantize_q8_0, llama.cpp's rounding)
-or as they are from a GGUF Q8_0 file (engine/model_executor/gguf_q8.py): the same numbers llama.cpp multiplies.
+or as they are from a GGUF Q8_0 file (engine/model_executor/gguf_native.py): the same numbers llama.cpp multiplies.
 
 pack_q8 lays them out for the kernel (csrc/cpu/q8_gemm.cpp has the layout); quantize_linears gives each linear of a
 model its packed copy and a forward that uses it (the float weight released), the small-row slot the compiled decode
@@ -226,7 +226,7 @@ def attach_q8_embedding(emb: nn.Embedding, packed: torch.Tensor, dtype: torch.dt
 def attach_q8_file_embedding(emb: nn.Embedding, blocks: torch.Tensor, dtype: torch.dtype,
                              release: Optional[Callable[[], None]] = None) -> None:
     """emb gathers its rows from a GGUF's Q8_0 token embedding as the file holds it (blocks: uint8
-    [num_embeddings, embedding_dim / 32 * 34], a read-only map of the file: engine/model_executor/gguf_q8.py),
+    [num_embeddings, embedding_dim / 32 * 34], a read-only map of the file: engine/model_executor/gguf_native.py),
     dequantized to dtype; release(), when given, is called after each gather (the map lets go of its pages)."""
     if tuple(blocks.shape) != (emb.num_embeddings, -(-emb.embedding_dim // QK) * Q8_0_BLOCK_BYTES):
         raise ValueError(f"a Q8_0 embedding of {emb.num_embeddings} x {emb.embedding_dim} needs blocks "
