@@ -309,7 +309,7 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
         from engine.model_executor.layers.quant import quantize_linears
 
         quantize_linears(model)
-    elif quantization not in (None, "gguf", "fp8"):
+    elif quantization not in (None, "gguf", "gguf-q8", "fp8"):
         from engine.model_executor.layers.ggml_linears import quantize_model
 
         quantize_model(model, quantization)
