@@ -9,7 +9,7 @@ The linears are read with plain file reads, one at a time, not through a memory 
 csrc/cpu/q8_gemm.cpp's layout, and mapped pages once read stay in the process's resident set until the map closes,
 the whole file at the load's peak. An untied Q8_0 token embedding is the exception: it is used as the file lays it out
 (a step gathers a few rows), so it stays in a read-only map of the file, as llama.cpp's mmap (its ~100 MiB at 1B
-shapes never packed into anonymous memory), and the pages a lookup mapped are let go after it (_map_q8's release).
+shapes never packed into anonymous memory), and the pages a lookup mapped are let go after it (gguf_file.map_rows's release).
 The file must then stay in place, unchanged, while it is served (as for llama.cpp).
 llama.cpp's converter reorders the rows of q_proj and k_proj for its RoPE (per head, the two halves interleaved);
 a row of Q8_0 holds its own blocks, so the rows are put back in HF's order exactly (transformers' reverse_permute).
@@ -17,17 +17,16 @@ a row of Q8_0 holds its own blocks, so the rows are put back in HF's order exact
 from __future__ import annotations
 
 import logging
-import mmap
-import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from engine.model_executor.gguf_file import LINEAR_PARTS, Q8_ARCHS, _Info, header as _infos, hf_name
+from engine.model_executor.gguf_file import (LINEAR_PARTS, Q8_ARCHS, _Info, header as _infos, hf_name, map_rows,
+                                             read_bytes, unpermute_rows)
 from engine.model_executor.layers.cpu_linear import _trim_heap
-from engine.model_executor.layers.quant import (COLS, QK, Q8_0_BLOCK_BYTES, attach_q8_embedding,
+from engine.model_executor.layers.quant import (COLS, QK, attach_q8_embedding,
                                                 attach_q8_file_embedding, attach_q8_linear, pack_q8, q8_numel,
                                                 quantize_q8_0)
 
@@ -47,41 +46,6 @@ def is_q8_gguf(path: Path) -> bool:
     return arch in Q8_ARCHS and bool(linears) and all(i.kind == "Q8_0" for i in linears)
 
 
-def _read(f, info: _Info, start: int = 0, nbytes: Optional[int] = None, buf: Optional[torch.Tensor] = None
-          ) -> torch.Tensor:
-    """Bytes [start, start + nbytes) of a tensor's data (all of it by default), read, not mapped; into the front of
-    `buf` (uint8) when given."""
-    nbytes = info.nbytes - start if nbytes is None else nbytes
-    buf = torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf[:nbytes]
-    f.seek(info.offset + start)
-    if f.readinto(memoryview(buf.numpy())) != nbytes:
-        raise ValueError(f"GGUF tensor {info.name}: the file ends before its {info.nbytes} bytes")
-    return buf
-
-
-def _map_q8(path: Path, info: _Info) -> tuple[torch.Tensor, Callable[[], None]]:
-    """A Q8_0 tensor's bytes, uint8 [rows, K / 32 * 34], through a read-only map of the file: nothing is read until a
-    row is, and then only its pages (no read-ahead around them); and a release() that unmaps the pages read so far
-    (MADV_DONTNEED: they stay in the kernel's page cache, out of the process's resident set). Without it a page
-    fault mapped the cached pages around each row too (the file was just read whole): 36 MiB for one request of 144
-    tokens, and all ~100 MiB after a few hundred distinct tokens."""
-    rows, k = info.shape
-    row_bytes = -(-k // QK) * Q8_0_BLOCK_BYTES
-    if info.nbytes != rows * row_bytes:
-        raise ValueError(f"GGUF tensor {info.name}: {info.nbytes} bytes for Q8_0 [{rows}, {k}]")
-    start = info.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, access=mmap.ACCESS_READ, offset=start)
-    if hasattr(mmap, "MADV_RANDOM"):
-        mapped.madvise(mmap.MADV_RANDOM)
-    with warnings.catch_warnings():  # "not writable": the rows are only ever gathered (copied) out of it
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the map open as long as it lives
-    dontneed = getattr(mmap, "MADV_DONTNEED", None)
-    release = (lambda: mapped.madvise(dontneed)) if dontneed is not None else (lambda: None)
-    return data[info.offset - start:].view(rows, row_bytes), release
-
-
 def _q8_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 tensor's bytes (34 a block: float16 d, 32 int8 q) as views of them, no copy: (q int8 [N, K / 32, 32],
     d float16 [N, K / 32])."""
@@ -91,12 +55,6 @@ def _q8_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor,
         n *= size
     blocks = raw.view(n, k // 32, 34)
     return blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1)
-
-
-def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
-    """The row order that undoes llama.cpp's RoPE permutation of q_proj / k_proj (transformers' reverse_permute)."""
-    dim = rows // heads // 2
-    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
 
 
 def _float_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,12 +67,12 @@ def _float_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iter
                 continue
             if info.kind not in dtypes:
                 raise ValueError(f"GGUF tensor {info.name} is {info.kind}: a 1-D tensor must be F32, F16 or BF16")
-            t = _read(f, info).view(dtypes[info.kind]).view(info.shape)
+            t = read_bytes(f, info).view(dtypes[info.kind]).view(info.shape)
             if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp stores Gemma's 1 + w (transformers too)
                 t = t.float() - 1.0
             if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # a bias, permuted as its rows
                 heads = hf_config.num_attention_heads if ".q_proj." in name else hf_config.num_key_value_heads
-                t = t[_unpermute_rows(t.shape[0], heads)]
+                t = t[unpermute_rows(t.shape[0], heads)]
             yield name, t
 
 
@@ -154,15 +112,15 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
             if info is None:
                 raise ValueError(f"{path.name} has no tensor for {name}.weight")
             if info.kind == "Q8_0":
-                q, d = _q8_blocks(_read(f, info), info.shape)
+                q, d = _q8_blocks(read_bytes(f, info), info.shape)
             else:  # a float tensor (an F16 token embedding, say): quantized here as llama.cpp would
-                t = _read(f, info).view({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+                t = read_bytes(f, info).view({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
                                         [info.kind]).view(info.shape)
                 q, d = quantize_q8_0(t)
                 q = q.view(q.shape[0], -1, 32)
             part = name.rsplit(".", 1)[-1]
             if arch == "llama" and part in heads:
-                order = _unpermute_rows(q.shape[0], heads[part])
+                order = unpermute_rows(q.shape[0], heads[part])
                 q, d = q[order], d[order]
             return q, d
 
@@ -192,7 +150,7 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
                     buf = torch.empty(min(step, info.shape[0]) * row_bytes, dtype=torch.uint8)  # one, reused
                     for r in range(0, info.shape[0], step):
                         r1 = min(info.shape[0], r + step)
-                        q, d = _q8_blocks(_read(f, info, r * row_bytes, (r1 - r) * row_bytes, buf), (r1 - r, kp))
+                        q, d = _q8_blocks(read_bytes(f, info, r * row_bytes, (r1 - r) * row_bytes, buf), (r1 - r, kp))
                         pack_q8(q, d, out, row0=row0 + r, total_rows=rows)
                 else:
                     q, d = blocks(name)
@@ -213,7 +171,7 @@ def load_q8_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) ->
         if tied:
             attach_q8_embedding(model.embed_tokens, model.lm_head._small_weight, dtype)
         elif by_hf.get("model.embed_tokens.weight") is not None and by_hf["model.embed_tokens.weight"].kind == "Q8_0":
-            blocks, release = _map_q8(path, by_hf["model.embed_tokens.weight"])
+            blocks, release = map_rows(path, by_hf["model.embed_tokens.weight"])
             attach_q8_file_embedding(model.embed_tokens, blocks, dtype, release)
         else:  # a float token embedding: quantized into anonymous memory (pack_module)
             emb = model.embed_tokens
