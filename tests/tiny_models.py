@@ -86,6 +86,21 @@ def tiny_qwen3_moe_config(**overrides):
     return Qwen3MoeConfig(**fields)
 
 
+def tiny_qwen2_moe_config(**overrides):
+    """A 2-layer Qwen2-MoE: 8 experts of intermediate 32, top-2 without renormalising, a shared expert of
+    intermediate 48 with its sigmoid gate on every sparse layer, q/k/v biases, hidden 64."""
+    from transformers import Qwen2MoeConfig
+
+    fields = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return Qwen2MoeConfig(**fields)
+
+
 GGUF_PARTS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, gated SiLU MLPs.
+"""Mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router picks each token's top-k experts, gated SiLU
+MLPs (Qwen2-MoE adds a shared expert every token passes, scaled by a sigmoid gate).
 
 MoEArgs (engine/model_executor/layers/moe_args.py) reads an HF config's expert fields. MoEMLP is one sparse layer's
 block:
@@ -40,7 +41,8 @@ class Router(nn.Linear):
 class MoEMLP(nn.Module):
     """One layer's experts over this rank's share of each expert's intermediate (+ all-reduce)."""
 
-    def __init__(self, hidden: int, m: MoEArgs, dtype: torch.dtype, tp: TPGroup) -> None:
+    def __init__(self, hidden: int, m: MoEArgs, dtype: torch.dtype, tp: TPGroup,
+                 shared: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.tp, self.args = tp, m
         self.inter = m.intermediate_size // tp.world_size
@@ -49,6 +51,10 @@ class MoEMLP(nn.Module):
         self.w2 = nn.Parameter(torch.empty(m.num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
         # pack_experts' stacked forms: [E, packed gate | up], [E, packed down] (float or uint8 Q8_0); None: ref_moe
         self.packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # Qwen2-MoE's shared expert (a dense gated MLP every token passes, all-reduced by itself) and its gate, a
+        # linear hidden -> 1 whose sigmoid scales it; float like the router (llama.cpp's ffn_gate_inp_shexp is F32)
+        self.shared_expert = shared
+        self.shared_expert_gate = Router(hidden, 1, bias=False, dtype=dtype) if shared is not None else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (expert ids int64 [T, k], their weights float32 [T, k]), as HF's router computes them."""
@@ -67,7 +73,10 @@ class MoEMLP(nn.Module):
                                   a.renormalize, a.round_weights)
         else:
             out = ref_moe(x, *self.route(x), self.w13, self.w2)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(out)
+        if self.shared_expert is not None:  # + sigmoid(x . g) * shared(x), as HF's Qwen2MoeSparseMoeBlock
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 def moe_layers(model: nn.Module) -> list[MoEMLP]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 # Qwen3-MoE: experts for MLPs (mlp_kind "experts", engine/model_executor/layers/moe.py).
 _ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                   "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
-                  "MixtralForCausalLM", "Qwen3MoeForCausalLM"}
-_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe"}
+                  "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"}
+_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"}
 
 
 def text_config(hf_config):

@@ -73,8 +73,8 @@ class CompiledDecode:
             moe = isinstance(mlp, MoEMLP)
             mlp_linears = (mlp.gate,) if moe else (mlp.gate_up_proj, mlp.down_proj)
             small = [small_rows_weight(linear) for linear in (attn.qkv_proj, attn.o_proj, *mlp_linears)]
-            if any(s is None for s in small) or (moe and mlp.packed is None):
-                return None  # not packed, or oneDNN only: the eager path
+            if any(s is None for s in small) or (moe and (mlp.packed is None or mlp.shared_expert is not None)):
+                return None  # not packed, oneDNN only, or a shared expert (Qwen2-MoE; not in moe_mlp): eager
             rows = min(r for _, r in small)
             max_rows = rows if max_rows is None else min(max_rows, rows)
             (qkv, _), (o, _) = small[:2]

@@ -75,12 +75,13 @@ class LlamaMLP(nn.Module):
     """A gated MLP (SwiGLU; Gemma's GELU-tanh) over this rank's columns: gate_up_proj column-parallel, down_proj
     row-parallel (+ all-reduce)."""
 
-    def __init__(self, a: ModelArgs, dtype: torch.dtype, tp: TPGroup) -> None:
+    def __init__(self, a: ModelArgs, dtype: torch.dtype, tp: TPGroup, intermediate_size: Optional[int] = None
+                 ) -> None:
         super().__init__()
         self.tp = tp
         self.act = ops.gelu_tanh_and_mul if a.mlp_act == "gelu_tanh" else ops.silu_and_mul
         self.act_index = MLP_ACTS.index(a.mlp_act)  # the compiled step's encoding
-        self.inter = a.intermediate_size // tp.world_size
+        self.inter = (intermediate_size or a.intermediate_size) // tp.world_size  # a shared expert's own width
         self.gate_up_proj = nn.Linear(a.hidden_size, 2 * self.inter, bias=a.mlp_bias, dtype=dtype)
         self.down_proj = nn.Linear(self.inter, a.hidden_size, bias=a.mlp_bias, dtype=dtype)
 
@@ -99,7 +100,12 @@ class LlamaBlock(nn.Module):
         self.self_attn = LlamaAttention(a, rotary, dtype, sliding_window, tp)
         self.post_attention_layernorm = norm()
         # a mixture-of-experts model's sparse layers: the router and its experts (engine/model_executor/layers/moe.py)
-        self.mlp = MoEMLP(a.hidden_size, a.moe, dtype, tp) if sparse else LlamaMLP(a, dtype, tp)
+        if sparse:
+            shared = a.moe.shared_intermediate_size
+            self.mlp = MoEMLP(a.hidden_size, a.moe, dtype, tp,
+                              LlamaMLP(a, dtype, tp, shared) if shared else None)
+        else:
+            self.mlp = LlamaMLP(a, dtype, tp)
         # Gemma (sandwich_norms): post_attention_layernorm norms the attention output, pre/post_feedforward_layernorm
         # the MLP's input and output. The roles below name them (Llama's post_attention_layernorm is its pre-MLP norm).
         self.sandwich = a.sandwich_norms

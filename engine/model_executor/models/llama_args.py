@@ -13,7 +13,7 @@ from engine.model_executor.layers.moe_args import MoEArgs
 
 # HF model_type -> its family's spec reader below; the model_type of Gemma 3's text model inside a multimodal
 # checkpoint is gemma3_text (engine/model_executor/models/__init__.py text_config).
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "qwen2_moe")
 MLP_ACTS = ("silu", "gelu_tanh")  # a gated MLP's activation of its gate: silu(gate) * up, gelu_tanh(gate) * up
 _ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 
@@ -71,7 +71,7 @@ class ModelArgs:
         if getattr(c, "use_bidirectional_attention", None):
             raise ValueError("use_bidirectional_attention (an embedding model) is not supported: pagedserve serves "
                              "causal language models.")
-        qwen2 = family == "qwen2"
+        qwen2 = family == "qwen2" or (family == "qwen2_moe" and bool(getattr(c, "qkv_bias", True)))
         gemma = family in ("gemma2", "gemma3_text")
         bias = bool(getattr(c, "attention_bias", False))
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

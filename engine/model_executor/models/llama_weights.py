@@ -25,6 +25,10 @@ def _fused_targets(a: ModelArgs, tp: TPGroup, name: str) -> Optional[tuple[str, 
         "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
         "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
     }
+    if a.moe is not None and a.moe.shared_intermediate_size:  # Qwen2-MoE's shared expert, a gated MLP of its own
+        shared = a.moe.shared_intermediate_size // n
+        shards["shared_expert.gate_proj"] = ("shared_expert.gate_up_proj", 0, shared)
+        shards["shared_expert.up_proj"] = ("shared_expert.gate_up_proj", shared, shared)
     for hf_part, (ours, offset, rows) in shards.items():
         if f".{hf_part}." in name:
             return name.replace(hf_part, ours), offset, rows
@@ -193,6 +197,11 @@ def _checkpoint_shapes(a: ModelArgs) -> Iterable[tuple[str, tuple[int, ...]]]:
                 m = a.moe.intermediate_size
                 for part, shape in (("gate_proj", (m, h)), ("up_proj", (m, h)), ("down_proj", (h, m))):
                     yield f"{mlp}experts.{e}.{part}.weight", shape
+            if a.moe.shared_intermediate_size:
+                s = a.moe.shared_intermediate_size
+                for part, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+                    yield f"{mlp}shared_expert.{part}.weight", shape
+                yield f"{mlp}shared_expert_gate.weight", (1, h)
             continue
         for part, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
             yield f"{mlp}{part}.weight", shape
