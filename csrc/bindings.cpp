@@ -309,6 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_gemm", &kquant_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("blob"), py::arg("bias"),
         py::arg("isa") = 0, "out = x @ W^T (+ bias) over GGML block formats packed by engine/model_executor/layers/formats.py");
   m.def("kquant_gemm_isa", &pagedserve::cpu::kquant_gemm_isa, "the best kquant_gemm path on this CPU and build");
+  m.def("ggml_quantize_k", &pagedserve::cpu::ggml_quantize_k, release_gil(), py::arg("weight"), py::arg("type"),
+        "float32 [N, K] -> uint8 K-quant blocks (ggml type 12 Q4_K, 13 Q5_K, 14 Q6_K), llama.cpp's reference bytes");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");

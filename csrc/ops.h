@@ -185,6 +185,10 @@ void kquant_gemm(
 // The best kquant_gemm path (the isa codes above; 1 when only plain C++).
 int64_t kquant_gemm_isa();
 
+// weight float32 [N, K] (K a multiple of 256) as llama.cpp's blocks of ggml type 12 (Q4_K), 13 (Q5_K) or 14
+// (Q6_K): uint8 [N, K / 256 * block bytes], quantize_row_*_ref's bytes (csrc/cpu/ggml_quantize.cpp).
+at::Tensor ggml_quantize_k(const at::Tensor& weight, int64_t type);
+
 // ---- mixture-of-experts MLP (CPU only; csrc/cpu/moe.cpp).
 
 // out = sum over each token's k experts of topk_weights * down(silu(gate(x)) * up(x)), the tokens grouped by

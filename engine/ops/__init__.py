@@ -381,6 +381,16 @@ def kquant_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16, rows contig
     return out
 
 
+def ggml_quantize_k(weight: torch.Tensor,  # [N, K] float32, contiguous, K a multiple of 256
+                    ggml_type: int) -> Optional[torch.Tensor]:
+    """weight as llama.cpp's K-quant blocks (ggml type 12 Q4_K, 13 Q5_K, 14 Q6_K): uint8 [N, K / 256 * block
+    bytes], quantize_row_*_ref's bytes; None without the compiled CPU kernels (the caller runs its torch port)."""
+    module = _load()
+    if module is None or not hasattr(module, "ggml_quantize_k"):
+        return None
+    return module.ggml_quantize_k(weight, ggml_type)
+
+
 def decode_layer_slots() -> int:
     """Tensors per layer in llama_decode_layers' weights (the compiled module's count)."""
     return int(_load().decode_layer_slots())

@@ -1,6 +1,7 @@
 """engine/model_executor/layers/ggml_quantize.py (issue 53): float weights into GGUF block bytes.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the bytes gguf-py's quantizer writes, byte for byte. Q4_K, Q5_K, Q6_K (gguf-py has no
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the bytes gguf-py's quantizer writes, byte for byte. Q4_K, Q5_K, Q6_K: libggml's own
+bytes from csrc/cpu/ggml_quantize.cpp (checked where llama.cpp is built), and from either path (gguf-py has no
 quantizer for them): gguf-py dequantizes our bytes back within the error llama.cpp's make_qkx2_quants /
 make_qx_quants reach (measured against libggml's quantize_row_*_ref on the same weights: relative RMS error
 0.0964 / 0.0487 / 0.0260 for ours and llama.cpp's alike, 2048-wide rows of N(0, 0.02) with every 7th weight x4)."""
@@ -83,3 +84,54 @@ def test_fallback_types_are_llama_cpps():
         fallback_type("Q4_0", 100)
     with pytest.raises(ValueError):
         quantize_rows(torch.zeros(2, 100), "Q4_K")
+
+
+K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+LIBGGML = sorted(__import__("pathlib").Path.home().glob(".cache/pagedserve/llama.cpp-*/build/bin/libggml-base.so"))
+
+
+def _compiled_or_skip():
+    from engine import ops
+
+    if ops.backend() is not ops.OpsBackend.COMPILED_CPU:
+        pytest.skip("needs the compiled CPU ops (csrc/cpu/ggml_quantize.cpp)")
+
+
+@pytest.mark.parametrize("name", sorted(K_TYPES))
+def test_k_quants_in_cpp_match_the_torch_port(name):
+    """csrc/cpu/ggml_quantize.cpp (the default where the kernels are built) against the torch port: the same
+    blocks but where the port's pairwise sums flip a near-tie between two candidate scales (9 % of Q4_K blocks
+    here), and the same error."""
+    _compiled_or_skip()
+    w = _weights(k=1024, rows=64)
+    fast, port = quantize_rows(w, name), quantize_rows(w, name, compiled=False)
+    assert fast.shape == port.shape and fast.dtype == torch.uint8
+    per_block = BLOCKS[name][1]
+    same = (fast.view(-1, per_block) == port.view(-1, per_block)).all(dim=1).float().mean()
+    assert same > 0.85, float(same)  # measured: Q4_K 91 %
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[name]
+    errors = [float(((torch.from_numpy(gguf.quants.dequantize(raw.numpy(), kind)).view_as(w) - w)[8:] ** 2).mean())
+              for raw in (fast, port)]
+    assert errors[0] < errors[1] * 1.01, errors
+
+
+@pytest.mark.skipif(not LIBGGML, reason="llama.cpp's libggml-base is not built (benchmarks/peers.sh builds it)")
+@pytest.mark.parametrize("name", sorted(K_TYPES))
+def test_k_quants_are_llama_quantizes_bytes(name):
+    """The C++ quantizer writes libggml's own bytes (ggml_quantize_chunk without an imatrix: quantize_row_*_ref,
+    what llama-quantize writes), block for block."""
+    import ctypes
+
+    _compiled_or_skip()
+    lib = ctypes.CDLL(str(LIBGGML[-1]))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    w = _weights(k=1024, rows=64)
+    w[8::7] *= 4  # outliers in some rows
+    x = np.ascontiguousarray(w.numpy())
+    expected = np.zeros(w.shape[0] * row_bytes(name, w.shape[1]), dtype=np.uint8)
+    lib.ggml_quantize_chunk(K_TYPES[name], x.ctypes.data, expected.ctypes.data, 0, w.shape[0], w.shape[1], None)
+    np.testing.assert_array_equal(quantize_rows(w, name).numpy().ravel(), expected)

@@ -9,7 +9,7 @@ torch's (pairwise), not C's sequential ones, and a candidate's error comes from 
 differ from llama-quantize's where two candidates' errors are within rounding of each other.
 
 quantize_rows(w [N, K], name) -> uint8 [N, K / block_weights * block_bytes], one row after another as GGUF lays
-them; a chunk of rows at a time, so the float temporaries stay a few MiB. fallback_type gives llama.cpp's type for a
+them (the K-quants in C++, csrc/cpu/ggml_quantize.cpp, where the compiled kernels are); a chunk of rows at a time, so the float temporaries stay a few MiB. fallback_type gives llama.cpp's type for a
 row width the block does not divide (llama-quant.cpp's tensor_type_fallback: Q4_K -> Q5_0, Q6_K -> Q8_0, ...).
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's for rows not a multiple of 256
 CHUNK_WEIGHTS = 1 << 20  # weights quantized at a time (the K-quant search holds ~20 float temporaries of this)
 GROUP_MAX_EPS = 1e-15
+GGML_K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml type ids of the K-quants ggml_quantize.cpp writes
 
 
 def fallback_type(name: str, k: int) -> str:
@@ -253,13 +254,22 @@ def row_bytes(name: str, k: int) -> int:
 
 
 @torch.no_grad()
-def quantize_rows(weight: torch.Tensor, name: str) -> torch.Tensor:
+def quantize_rows(weight: torch.Tensor, name: str, compiled: bool = True) -> torch.Tensor:
     """weight [N, K] (any float dtype; K a multiple of the type's block) as `name`'s GGUF blocks: uint8
-    [N, row_bytes(name, K)]."""
+    [N, row_bytes(name, K)]. The K-quants run csrc/cpu/ggml_quantize.cpp (llama.cpp's C arithmetic, ~100x this
+    port's speed) where the compiled CPU kernels are, unless compiled=False (the torch port, the reference)."""
     n, k = weight.shape
     block, nbytes = BLOCKS[name]
     if k % block:
         raise ValueError(f"{name} needs rows of a multiple of {block} weights, got {k}")
+    if name in GGML_K_TYPES and compiled:
+        from engine import ops
+
+        step = max(1, 8 * CHUNK_WEIGHTS // k)  # float32 copies of a few rows at a time, never the whole weight
+        parts = [ops.ggml_quantize_k(weight[r:r + step].float().contiguous(), GGML_K_TYPES[name])
+                 for r in range(0, n, step)]
+        if all(p is not None for p in parts):
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
     out = torch.empty(n, k // block * nbytes, dtype=torch.uint8)
     step = max(1, CHUNK_WEIGHTS // k)
     for r in range(0, n, step):
