@@ -228,8 +228,8 @@ void moe_forward(at::Tensor& out, const at::Tensor& x, const at::Tensor& logits,
 // (start, end, context_len) triple in `prefill_spans`; its table in `prefill_tables`, empty when the span has no
 // cached prefix and attends over its own rows), then one decode token per sequence. Each layer's
 // decode_layer_slots() tensors lie in `weights` in the order input norm, qkv, qkv bias, q norm, k norm, o, o bias,
-// attention-output norm, pre-MLP norm, gate_up, gate_up bias, down, down bias, MLP-output norm (csrc/cpu/
-// decode_layers.cpp Slot); linears as pack_small_rows weights, an absent bias or norm as an empty tensor.
+// attention-output norm, pre-MLP norm, gate_up, gate_up bias, down, down bias, MLP-output norm, a shared expert's
+// gate_up, down and gate (csrc/cpu/decode_layers.cpp Slot); linears as pack_small_rows weights, an absent bias or norm as an empty tensor.
 // cos_sins: each layer's RoPE table (the same tensor for layers sharing one); mlp_act: 0 silu, 1 gelu_tanh;
 // softcap: the attention scores' soft-cap (Gemma 2), 0 for none.
 at::Tensor llama_decode_layers(

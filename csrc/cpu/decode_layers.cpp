@@ -17,6 +17,9 @@
 
 #include <c10/util/Exception.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/zeros.h>
 
 #include "../ops.h"
@@ -28,10 +31,11 @@ namespace {
 
 // A layer's tensors in `weights`, in this order (an absent bias or norm is an empty tensor). kPostNorm is the
 // norm before the MLP (HF Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm); kAttnOutNorm and
-// kMlpOutNorm are Gemma's norms of the attention and MLP outputs before their residual add.
+// kMlpOutNorm are Gemma's norms of the attention and MLP outputs before their residual add; kSharedGateUp,
+// kSharedDown and kSharedGate a mixture-of-experts layer's shared expert (Qwen2-MoE) and its gate's float weight.
 enum Slot : int64_t {
   kInputNorm, kQkv, kQkvBias, kQNorm, kKNorm, kO, kOBias, kAttnOutNorm, kPostNorm, kGateUp, kGateUpBias, kDown,
-  kDownBias, kMlpOutNorm, kSlots
+  kDownBias, kMlpOutNorm, kSharedGateUp, kSharedDown, kSharedGate, kSlots
 };
 
 // The MLP's activation of its gate (llama_args.py MLP_ACTS, in order).
@@ -41,7 +45,7 @@ enum MlpAct : int64_t { kSilu = 0, kGeluTanh = 1 };
 constexpr int64_t kMlpRows = 512;
 
 c10::optional<at::Tensor> bias_of(const at::Tensor& b) {
-  return b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
+  return b.defined() && b.numel() ? c10::optional<at::Tensor>(b) : c10::nullopt;
 }
 
 // A linear over its packed weight: int8 (engine/model_executor/layers/quant.py's uint8 Q8_0 form), GGML block formats
@@ -56,18 +60,54 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const at:
   }
 }
 
+// A gated MLP on x's rows into out's: gate_up and its activation in one pass where the path has fused tiles (the
+// same bits as the two calls), else gate_up into its buffer (made on first use) and the activation; then down.
+void gated_mlp(at::Tensor& out_rows, const at::Tensor& x_rows, const at::Tensor& w_gate_up, const at::Tensor& b_gate_up,
+               const at::Tensor& w_down, const at::Tensor& b_down, at::Tensor& act_rows, at::Tensor& gate_up,
+               int64_t mlp_rows, int64_t mlp_act) {
+  const int64_t n = x_rows.size(0), inter = act_rows.size(1);
+  if (mlp_act != kSilu || w_gate_up.scalar_type() == at::kByte ||  // GELU or quantized weights: no fused tiles
+      w_gate_up.scalar_type() == at::kChar || !small_gemm_glu(act_rows, x_rows, w_gate_up, bias_of(b_gate_up), 0)) {
+    if (!gate_up.defined() || gate_up.size(1) != 2 * inter) gate_up = at::empty({mlp_rows, 2 * inter}, x_rows.options());
+    at::Tensor gate_up_rows = gate_up.narrow(0, 0, n);
+    linear(gate_up_rows, x_rows, w_gate_up, b_gate_up);
+    if (mlp_act == kSilu) {
+      silu_and_mul(act_rows, gate_up_rows);
+    } else {
+      gelu_tanh_and_mul(act_rows, gate_up_rows);
+    }
+  }
+  linear(out_rows, act_rows, w_down, b_down);
+}
+
 // A mixture-of-experts layer's MLP slots (engine/model_executor/models/compiled_decode.py): kGateUp the router's
-// packed weight, kGateUpBias int64 {intermediate, top_k, renormalize, round_weights, experts} (its dtype marks the
-// layer), kDown / kDownBias the stacked experts' gate | up and down (csrc/cpu/moe.cpp). In place on x's rows, as
-// the eager MoEMLP's router linear and ops.moe_forward compute them.
-void moe_mlp(at::Tensor& x_rows, const at::Tensor* w, at::Tensor& router_logits, int64_t mlp_rows) {
+// packed weight, kGateUpBias int64 {intermediate, top_k, renormalize, round_weights, experts, shared intermediate}
+// (its dtype marks the layer), kDown / kDownBias the stacked experts' gate | up and down (csrc/cpu/moe.cpp), and a
+// shared expert's slots. In place on x's rows, as the eager MoEMLP computes it: moe_forward over the router's
+// logits, + sigmoid(x . shared gate) * shared(x) (the same ATen calls for the gate as the eager torch ones).
+void moe_mlp(at::Tensor& x_rows, const at::Tensor* w, at::Tensor& router_logits, int64_t mlp_rows, int64_t mlp_act,
+             at::Tensor& shared_act, at::Tensor& shared_out, at::Tensor& shared_gate_up) {
   const int64_t* cfg = w[kGateUpBias].data_ptr<int64_t>();
+  const int64_t n = x_rows.size(0);
+  at::Tensor shared, gate;
+  if (cfg[5] > 0) {  // the shared expert reads x before the experts overwrite it
+    if (!shared_act.defined() || shared_act.size(1) != cfg[5]) {
+      shared_act = at::empty({mlp_rows, cfg[5]}, x_rows.options());
+      shared_out = at::empty({mlp_rows, x_rows.size(1)}, x_rows.options());
+    }
+    at::Tensor act_rows = shared_act.narrow(0, 0, n);
+    shared = shared_out.narrow(0, 0, n);
+    gated_mlp(shared, x_rows, w[kSharedGateUp], at::Tensor(), w[kSharedDown], at::Tensor(), act_rows, shared_gate_up,
+              mlp_rows, mlp_act);
+    gate = at::linear(x_rows, w[kSharedGate]);  // [n, 1]
+  }
   if (!router_logits.defined() || router_logits.size(1) != cfg[4]) {
     router_logits = at::empty({mlp_rows, cfg[4]}, x_rows.options());
   }
-  at::Tensor logits = router_logits.narrow(0, 0, x_rows.size(0));
+  at::Tensor logits = router_logits.narrow(0, 0, n);
   small_gemm(logits, x_rows, w[kGateUp], c10::nullopt, 0);  // the router stays float (moe.py)
   moe_forward(x_rows, x_rows, logits, w[kDown], w[kDownBias], cfg[0], cfg[1], cfg[2] != 0, cfg[3] != 0);
+  if (cfg[5] > 0) x_rows.add_(at::mul(at::sigmoid(gate), shared));
 }
 
 }  // namespace
@@ -123,6 +163,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
   at::Tensor gate_up;  // [mlp_rows, 2 * intermediate_size], made only where small_gemm_glu declines
   at::Tensor act = at::empty({mlp_rows, intermediate_size}, opts);
   at::Tensor router_logits;  // [mlp_rows, experts], made at a mixture-of-experts model's first sparse layer
+  at::Tensor shared_act, shared_out, shared_gate_up;  // a shared expert's buffers (Qwen2-MoE), made on first use
   // Strided views of qkv, as the eager model takes them.
   at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_size});
   const at::Tensor q = qk.narrow(1, 0, num_heads);
@@ -180,23 +221,11 @@ at::Tensor llama_decode_layers(const at::Tensor& embeddings, const at::Tensor& p
       const int64_t n = std::min(mlp_rows, t - r);
       at::Tensor x_rows = x.narrow(0, r, n), act_rows = act.narrow(0, 0, n);
       if (w[kGateUpBias].scalar_type() == at::kLong) {  // a mixture-of-experts layer (moe_slots)
-        moe_mlp(x_rows, w, router_logits, mlp_rows);
+        moe_mlp(x_rows, w, router_logits, mlp_rows, mlp_act, shared_act, shared_out, shared_gate_up);
         continue;
       }
-      // gate_up and its activation in one pass where the path has fused tiles (the same bits as the two calls)
-      if (mlp_act != kSilu || w[kGateUp].scalar_type() == at::kByte ||  // GELU or quantized weights: no fused tiles
-          w[kGateUp].scalar_type() == at::kChar ||
-          !small_gemm_glu(act_rows, x_rows, w[kGateUp], bias_of(w[kGateUpBias]), 0)) {
-        if (!gate_up.defined()) gate_up = at::empty({mlp_rows, 2 * intermediate_size}, opts);
-        at::Tensor gate_up_rows = gate_up.narrow(0, 0, n);
-        linear(gate_up_rows, x_rows, w[kGateUp], w[kGateUpBias]);
-        if (mlp_act == kSilu) {
-          silu_and_mul(act_rows, gate_up_rows);
-        } else {
-          gelu_tanh_and_mul(act_rows, gate_up_rows);
-        }
-      }
-      linear(x_rows, act_rows, w[kDown], w[kDownBias]);
+      gated_mlp(x_rows, x_rows, w[kGateUp], w[kGateUpBias], w[kDown], w[kDownBias], act_rows, gate_up, mlp_rows,
+                mlp_act);
       if (w[kMlpOutNorm].numel()) rms_norm(x_rows, x_rows, w[kMlpOutNorm], eps);
     }
   }

@@ -73,8 +73,11 @@ class CompiledDecode:
             moe = isinstance(mlp, MoEMLP)
             mlp_linears = (mlp.gate,) if moe else (mlp.gate_up_proj, mlp.down_proj)
             small = [small_rows_weight(linear) for linear in (attn.qkv_proj, attn.o_proj, *mlp_linears)]
-            if any(s is None for s in small) or (moe and (mlp.packed is None or mlp.shared_expert is not None)):
-                return None  # not packed, oneDNN only, or a shared expert (Qwen2-MoE; not in moe_mlp): eager
+            shared = mlp.shared_expert if moe else None  # Qwen2-MoE's
+            shared_small = [small_rows_weight(lin) for lin in (shared.gate_up_proj, shared.down_proj)] if shared else []
+            small += shared_small
+            if any(s is None for s in small) or (moe and mlp.packed is None):
+                return None  # not packed, or oneDNN only: the eager path
             rows = min(r for _, r in small)
             max_rows = rows if max_rows is None else min(max_rows, rows)
             (qkv, _), (o, _) = small[:2]
@@ -86,6 +89,8 @@ class CompiledDecode:
                 layer.input_layernorm.weight, qkv, _bias(attn.qkv_proj), _norm(attn.q_norm), _norm(attn.k_norm),
                 o, _bias(attn.o_proj), _norm(layer.attn_out_norm), layer.pre_mlp_norm.weight,
                 *mlp_slots, _norm(layer.mlp_out_norm),
+                *((shared_small[0][0], shared_small[1][0], mlp.shared_expert_gate.weight) if shared else
+                  (_NO_BIAS, _NO_BIAS, _NO_BIAS)),
             ]
         if max_rows is None or len(weights) != len(layers) * ops.decode_layer_slots():
             return None
@@ -133,7 +138,9 @@ def _moe_slots(mlp: MoEMLP, router: torch.Tensor) -> list[torch.Tensor]:
     """A mixture-of-experts layer's four MLP slots (csrc/cpu/decode_layers.cpp moe_mlp): the router's packed weight,
     its settings as an int64 tensor (whose dtype marks the layer), the stacked experts' gate | up and down."""
     a = mlp.args
-    settings = torch.tensor([mlp.inter, a.top_k, a.renormalize, a.round_weights, a.num_experts], dtype=torch.int64)
+    shared = mlp.shared_expert.inter if mlp.shared_expert is not None else 0
+    settings = torch.tensor([mlp.inter, a.top_k, a.renormalize, a.round_weights, a.num_experts, shared],
+                            dtype=torch.int64)
     return [router, settings, *mlp.packed]
 
 
