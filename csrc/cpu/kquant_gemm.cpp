@@ -31,7 +31,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -56,7 +58,9 @@ constexpr int64_t kRows = 4;                 // rows of x per tile (AVX2: 16 ymm
 constexpr int64_t kRowsWide = 8;             // rows of x per tile (AVX-512: 32 zmm)
 constexpr int64_t kMinBlocksPerThread = 4;   // column blocks: a second thread costs more below this
 
-enum Isa : int64_t { kAuto = 0, kPlain = 1, kAvx2 = 2, kAvx512 = 3, kVnni = 5 };
+constexpr int64_t kPanelBytes = 4 << 20;    // one dequantized float32 panel of W^T (as q8_gemm's)
+
+enum Isa : int64_t { kAuto = 0, kPlain = 1, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
 enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // A format's geometry: Bits of a code, S weights a block, Sub weights a sub-scale (0: none), whether M is stored
@@ -92,6 +96,16 @@ bool cpu_has_vnni() {
 #endif
 }
 
+// oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX): there a bfloat16 x meets a bfloat16 panel.
+bool cpu_has_bf16_dot() {
+#if defined(__AVX512F__) && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 Isa best_isa() {
 #if defined(__AVX512F__)
   return cpu_has_vnni() ? kVnni : kAvx512;
@@ -102,28 +116,21 @@ Isa best_isa() {
 #endif
 }
 
-// x quantized per block of S: int8 rows of K, per block dx, per 16 and per 32 the sums of xq (int16).
+// x quantized per block of S in two int8 parts (the residual is kLowSteps finer): "expanded" rows 2r (xh) and
+// 2r + 1 (xl) of row r, each with per block its scale (dx, dx / kLowSteps) and per 16 and 32 its sums (int16), so a
+// tile treats xl as rows of its own and the weights are still read once.
+constexpr int kParts = 2;
+constexpr float kLowSteps = 254.0f;  // xl's steps per step of xh (|254 (t - xh)| <= 127)
+
 struct XQuant {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> s16, s32;
   int64_t k = 0, s = 0;
-  const int8_t* row(int64_t r) const { return q.data() + r * k; }
+  const int8_t* row(int64_t e) const { return q.data() + e * k; }
 };
 
-template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t s, int8_t* q, float* d, int16_t* s16, int16_t* s32) {
-  for (int64_t b = 0; b < k / s; ++b) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < s; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[b * s + i])));
-    const float db = amax / 127.0f;
-    const float id = db != 0.0f ? 1.0f / db : 0.0f;
-    for (int64_t i = 0; i < s; ++i) {
-      const float r = std::nearbyint(static_cast<float>(x[b * s + i]) * id);  // ties to even
-      q[b * s + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-    }
-    d[b] = db;
-  }
+inline void block_sums(const int8_t* q, int64_t k, int16_t* s16, int16_t* s32) {
   for (int64_t j = 0; j < k / 16; ++j) {
     int v = 0;
     for (int i = 0; i < 16; ++i) v += q[j * 16 + i];
@@ -132,26 +139,47 @@ void quantize_row(const T* x, int64_t k, int64_t s, int8_t* q, float* d, int16_t
   for (int64_t j = 0; j < k / 32; ++j) s32[j] = static_cast<int16_t>(s16[2 * j] + s16[2 * j + 1]);
 }
 
+// One row's blocks: dx = amax / 127 (float32), t = x * (1 / dx), xh = round-half-even(t), xl = round-half-even(254 *
+// (t - xh)), x = dx * xh + (dx / 254) * xl to 1 / 64516 of the block's largest |x| (one part: 1 / 254, coarser than
+// bfloat16 itself); formats.py quantize_activations is the same arithmetic.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t s, int8_t* qh, int8_t* ql, float* dh, float* dl) {
+  for (int64_t b = 0; b < k / s; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < s; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[b * s + i])));
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    for (int64_t i = 0; i < s; ++i) {
+      const float t = static_cast<float>(x[b * s + i]) * id;
+      const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(t)));  // ties to even
+      qh[b * s + i] = static_cast<int8_t>(v);
+      ql[b * s + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint((t - v) * kLowSteps))));
+    }
+    dh[b] = db;
+    dl[b] = db / kLowSteps;
+  }
+}
+
 XQuant quantize_x(const at::Tensor& x, int64_t s) {
-  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t m = x.size(0), k = x.size(1), e = kParts * m;
   XQuant xq;
   xq.k = k;
   xq.s = s;
-  xq.q.resize(m * k);
-  xq.d.resize(m * (k / s));
-  xq.s16.resize(m * (k / 16));
-  xq.s32.resize(m * (k / 32));
+  xq.q.resize(e * k);
+  xq.d.resize(e * (k / s));
+  xq.s16.resize(e * (k / 16));
+  xq.s32.resize(e * (k / 32));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto row = [&](int64_t r) {
-    int8_t* q = xq.q.data() + r * k;
-    float* d = xq.d.data() + r * (k / s);
-    int16_t* s16 = xq.s16.data() + r * (k / 16);
-    int16_t* s32 = xq.s32.data() + r * (k / 32);
+    int8_t* q = xq.q.data() + 2 * r * k;
+    float* d = xq.d.data() + 2 * r * (k / s);
     if (bf16) {
-      quantize_row(x.data_ptr<c10::BFloat16>() + r * x.stride(0), k, s, q, d, s16, s32);
+      quantize_row(x.data_ptr<c10::BFloat16>() + r * x.stride(0), k, s, q, q + k, d, d + k / s);
     } else {
-      quantize_row(x.data_ptr<float>() + r * x.stride(0), k, s, q, d, s16, s32);
+      quantize_row(x.data_ptr<float>() + r * x.stride(0), k, s, q, q + k, d, d + k / s);
     }
+    for (int64_t p = 0; p < kParts; ++p)
+      block_sums(q + p * k, k, xq.s16.data() + (2 * r + p) * (k / 16), xq.s32.data() + (2 * r + p) * (k / 32));
   };
   if (m > 1 && m * k >= (1 << 16)) {
 #pragma omp parallel for schedule(static)
@@ -207,9 +235,11 @@ inline int pair_at(const uint8_t* p, int j, int c) {  // [subs/2][16][2] int8, s
 template <class F>
 void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
   const int64_t sb = xq.k / F::kS;
+  float acc[kCols];
   for (int64_t blk = b0; blk < b1; ++blk) {
-    for (int64_t r = 0; r < m; ++r) {
-      float acc[kCols] = {};
+    for (int64_t e = 0; e < kParts * m; ++e) {  // expanded rows: xh, then xl of the same row
+      const int64_t r = e;
+      if (e % kParts == 0) std::fill(acc, acc + kCols, 0.0f);
       const int8_t* xr = xq.row(r);
       for (int64_t s = 0; s < sb; ++s) {
         const uint8_t* b = w + (blk * sb + s) * F::kBytes;
@@ -240,7 +270,7 @@ void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int
                             xq.d[r * (xq.k / F::kS) + s], acc[c]);
         }
       }
-      store_cols(o, r, blk * kCols, kCols, acc);
+      if (e % kParts == kParts - 1) store_cols(o, e / kParts, blk * kCols, kCols, acc);
     }
   }
 }
@@ -292,6 +322,9 @@ struct V256 {
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
+  template <int N>
+  static I srl32(I v) { return _mm256_srli_epi32(v, N); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
@@ -337,6 +370,9 @@ struct V512 {
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
+  template <int N>
+  static I srl32(I v) { return _mm512_srli_epi32(v, N); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 #endif
@@ -395,7 +431,8 @@ template <class F>
 constexpr int kChunkBytes = (F::kBytes / F::kJ32 + 63) / 64 * 64;
 constexpr int kPrefetchBytes = 4096;
 
-// R rows of one 16-column block over all of K: H halves of V::kL columns.
+// R expanded rows (R / 2 rows of x, each its xh and xl) of one 16-column block over all of K: H halves of V::kL
+// columns; a row's two parts are summed at the end.
 template <class V, class F, int R>
 void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Out& o, int64_t col0) {
   using I = typename V::I;
@@ -474,9 +511,10 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
     }
   }
   alignas(64) float buf[kCols];
-  for (int r = 0; r < R; ++r) {
-    for (int h = 0; h < H; ++h) V::store(buf + h * V::kL, acc[h][r]);
-    store_cols(o, row0 + r, col0, kCols, buf);
+  static_assert(R % kParts == 0 && kParts == 2, "a tile holds whole rows");
+  for (int r = 0; r < R; r += kParts) {
+    for (int h = 0; h < H; ++h) V::store(buf + h * V::kL, V::fadd(acc[h][r], acc[h][r + 1]));
+    store_cols(o, (row0 + r) / kParts, col0, kCols, buf);
   }
 }
 
@@ -486,16 +524,61 @@ void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int6
   for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* wb = w + blk * sb * F::kBytes;
     constexpr int64_t rows = V::kL == 16 ? kRowsWide : kRows;
-    for (int64_t r = 0; r < m; r += rows) {
-      switch (std::min<int64_t>(rows, m - r)) {
-        case 1: tile<V, F, 1>(xq, r, wb, sb, o, blk * kCols); break;
+    for (int64_t r = 0; r < kParts * m; r += rows) {  // expanded rows, an even count
+      switch (std::min<int64_t>(rows, kParts * m - r)) {
         case 2: tile<V, F, 2>(xq, r, wb, sb, o, blk * kCols); break;
-        case 3: tile<V, F, 3>(xq, r, wb, sb, o, blk * kCols); break;
         case 4: tile<V, F, 4>(xq, r, wb, sb, o, blk * kCols); break;
-        case 5: tile<V, F, rows < 5 ? 4 : 5>(xq, r, wb, sb, o, blk * kCols); break;
         case 6: tile<V, F, rows < 6 ? 4 : 6>(xq, r, wb, sb, o, blk * kCols); break;
-        case 7: tile<V, F, rows < 7 ? 4 : 7>(xq, r, wb, sb, o, blk * kCols); break;
         default: tile<V, F, rows < 8 ? 4 : 8>(xq, r, wb, sb, o, blk * kCols); break;
+      }
+    }
+  }
+}
+
+// The panel path's dequantization of one column block's blocks into W^T rows (float32 [K, ld], columns col0..+15):
+// w = (D sc) q - (M mn) per lane, the codes as unpack reads them (byte i of a lane is k 4g + i).
+template <class V, class F, int G>
+inline void dequant_groups(const uint8_t* b, int j32, int lane0, float* dst, int64_t ld, typename V::F sc0,
+                           typename V::F sc1, typename V::F mn0, typename V::F mn1) {
+  typename V::I w0, w1;
+  unpack<V, F, G>(b, j32, lane0, w0, w1);
+  const typename V::I ff = V::set32(0xff);
+  auto put = [&](typename V::I w, int64_t kk, typename V::F sc, typename V::F mn) {
+    V::store(dst + (kk + 0) * ld, V::fmsub(V::cvt(V::and_(w, ff)), sc, mn));
+    V::store(dst + (kk + 1) * ld, V::fmsub(V::cvt(V::and_(V::template srl32<8>(w), ff)), sc, mn));
+    V::store(dst + (kk + 2) * ld, V::fmsub(V::cvt(V::and_(V::template srl32<16>(w), ff)), sc, mn));
+    V::store(dst + (kk + 3) * ld, V::fmsub(V::cvt(V::template srl32<24>(w)), sc, mn));
+  };
+  put(w0, j32 * 32 + 4 * G, sc0, mn0);
+  put(w1, j32 * 32 + 16 + 4 * G, sc1, mn1);
+}
+
+template <class V, class F>
+void simd_dequant(const uint8_t* wb, int64_t sb, float* dst, int64_t ld) {  // dst: [K, ld] at the block's column 0
+  using FV = typename V::F;
+  for (int64_t s = 0; s < sb; ++s) {
+    const uint8_t* b = wb + s * F::kBytes;
+    for (int lane0 = 0; lane0 < kCols; lane0 += V::kL) {
+      const FV dd = V::halfs(b + F::kOffD + lane0 * 2);
+      const FV mm = F::kStoresM ? V::halfs(b + F::kOffM + lane0 * 2) : V::mul(dd, V::fset(float(F::kMMul)));
+      for (int j32 = 0; j32 < F::kJ32; ++j32) {
+        FV sc0 = dd, sc1 = dd, mn0 = mm, mn1 = mm;
+        if constexpr (F::kSub != 0) {  // sub-scales (and offsets) of this chunk's k 0-15 and 16-31, per lane
+          const int pair = F::kSub == 32 ? j32 / 2 : j32;
+          auto pick = [&](int off, bool odd) {
+            const typename V::I p = V::pairs(b + off + pair * 32 + lane0 * 2);
+            return V::cvt(odd ? V::sra16of32(p) : V::sra16of32(V::template shl32<16>(p)));
+          };
+          const FV a0 = pick(F::kOffSc, F::kSub == 32 ? (j32 & 1) : 0);
+          const FV a1 = F::kSub == 32 ? a0 : pick(F::kOffSc, 1);
+          const FV n0 = F::kOwnMins ? pick(F::kOffMn, j32 & 1) : a0, n1 = F::kOwnMins ? n0 : a1;
+          sc0 = V::mul(dd, a0), sc1 = V::mul(dd, a1), mn0 = V::mul(mm, n0), mn1 = V::mul(mm, n1);
+        }
+        float* d = dst + s * F::kS * ld + lane0;
+        dequant_groups<V, F, 0>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
+        dequant_groups<V, F, 1>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
+        dequant_groups<V, F, 2>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
+        dequant_groups<V, F, 3>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
       }
     }
   }
@@ -521,6 +604,71 @@ void over_threads(int64_t blocks, Fn&& fn) {
 }
 
 template <class F>
+void plain_dequant(const uint8_t* wb, int64_t sb, float* dst, int64_t ld) {  // simd_dequant's plain C++ form
+  for (int64_t s = 0; s < sb; ++s) {
+    const uint8_t* b = wb + s * F::kBytes;
+    for (int c = 0; c < kCols; ++c) {
+      const float dd = half_at(b + F::kOffD, c);
+      const float mm = F::kStoresM ? half_at(b + F::kOffM, c) : dd * static_cast<float>(F::kMMul);
+      for (int j32 = 0; j32 < F::kJ32; ++j32)
+        for (int g = 0; g < 8; ++g) {
+          const int sub = F::kSub == 16 ? 2 * j32 + (g >> 2) : j32;
+          const float sc = F::kSub ? static_cast<float>(pair_at(b + F::kOffSc, sub, c)) : 1.0f;
+          const float mn = F::kSub ? static_cast<float>(pair_at(b + (F::kOwnMins ? F::kOffMn : F::kOffSc), sub, c))
+                                   : 1.0f;
+          for (int i = 0; i < 4; ++i)
+            dst[(s * F::kS + j32 * 32 + 4 * g + i) * ld + c] =
+                static_cast<float>(code<F>(b, j32, g, c, i)) * (dd * sc) - mm * mn;
+        }
+    }
+  }
+}
+
+// kPanel: out = x @ W^T a panel of column blocks at a time: W^T's panel dequantized to float32 [K, P] on the
+// caller's OpenMP threads, then torch's GEMM (oneDNN; bfloat16 where x and out are and the CPU multiplies bfloat16
+// natively), so a prefill costs what the float model's does and equals the dequantized model's product.
+template <class F>
+void run_panels(Isa isa, at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n, const at::Tensor& bias) {
+  const int64_t k = x.size(1), sb = k / F::kS, blocks = (n + kCols - 1) / kCols;
+  const int64_t panel_blocks = std::min(blocks, std::max<int64_t>(4, kPanelBytes / (k * 4 * kCols)));
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot();
+  const at::ScalarType pt = bf16 ? at::kBFloat16 : at::kFloat;
+  const at::Tensor xin = x.scalar_type() == pt ? x : x.to(pt);
+  at::Tensor scratch = at::empty({k * panel_blocks * kCols}, x.options().dtype(at::kFloat));
+  for (int64_t b0 = 0; b0 < blocks; b0 += panel_blocks) {
+    const int64_t b1 = std::min(blocks, b0 + panel_blocks), ld = (b1 - b0) * kCols;
+    const int64_t c0 = b0 * kCols, cols = std::min(n, b1 * kCols) - c0;
+    float* dst = scratch.data_ptr<float>();
+    over_threads(b1 - b0, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* wb = w + (b0 + p) * sb * F::kBytes;
+#if defined(__AVX512F__)
+        if (isa >= kAvx512) { simd_dequant<V512<false>, F>(wb, sb, dst + p * kCols, ld); continue; }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        if (isa >= kAvx2) { simd_dequant<V256, F>(wb, sb, dst + p * kCols, ld); continue; }
+#endif
+        plain_dequant<F>(wb, sb, dst + p * kCols, ld);
+      }
+    });
+    at::Tensor wt = scratch.narrow(0, 0, k * ld).view({k, ld}).narrow(1, 0, cols);
+    if (pt != at::kFloat) wt = wt.to(pt);
+    at::Tensor o = out.narrow(1, c0, cols);
+    if (out.scalar_type() == pt) {
+      if (bias.defined()) {
+        at::addmm_out(o, bias.narrow(0, c0, cols).to(pt), xin, wt);
+      } else {
+        at::mm_out(o, xin, wt);
+      }
+    } else {
+      at::Tensor t = at::mm(xin, wt);
+      if (bias.defined()) t.add_(bias.narrow(0, c0, cols));
+      o.copy_(t);
+    }
+  }
+}
+
+template <class F>
 void run_format(Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t blocks, const Out& o) {
   over_threads(blocks, [&](int64_t b0, int64_t b1) {
 #if defined(__AVX512F__)
@@ -532,6 +680,20 @@ void run_format(Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t 
 #endif
     plain_blocks<F>(xq, m, w, b0, b1, o);
   });
+}
+
+// Whether m rows go through the panels (kPanel) rather than the int8 tiles: PROVISIONAL, measured below.
+// PAGEDSERVE_KQUANT_PANEL_ROWS=R moves the threshold to R rows (0: never), for measuring.
+bool use_panels(int64_t m, int64_t type, Isa isa) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("PAGEDSERVE_KQUANT_PANEL_ROWS");
+    if (v == nullptr || v[0] == '\0') return int64_t{-1};
+    const long long r = std::atoll(v);
+    return r <= 0 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(r);
+  }();
+  if (forced >= 0) return m >= forced;
+  (void)type;
+  return m >= (isa == kVnni ? 64 : 32);
 }
 
 int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 256 : 32; }
@@ -574,7 +736,8 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
   TORCH_CHECK(x.size(1) == k && out.size(1) == n && out.size(0) == m, "kquant_gemm: x [", m, ", ", x.size(1),
               "] and out [", out.size(0), ", ", out.size(1), "] for a weight [", n, ", ", k, "]");
   const Isa best = best_isa();
-  const Isa use = isa == kAuto ? best : static_cast<Isa>(isa);
+  const bool forced_panel = isa == kPanel;
+  const Isa use = isa == kAuto || forced_panel ? best : static_cast<Isa>(isa);
   TORCH_CHECK(use == kPlain || ((use == kAvx2 || use == kAvx512 || use == kVnni) && use <= best),
               "kquant_gemm: ISA path ", isa, " is not in this build or on this CPU (best ", best, ")");
   at::Tensor bias_f32;
@@ -596,17 +759,32 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     if (type == kQ8_0) {
       const at::Tensor w = blob.narrow(0, offset, bytes).view(at::kByte);
       q8_gemm(o_part, x, w, bias_f32.defined() ? c10::optional<at::Tensor>(bias_f32.narrow(0, col, rows))
-                                              : c10::nullopt, 0);
+                                              : c10::nullopt, forced_panel ? kPanel : 0);
       col += rows;
       continue;
     }
     const int64_t s = block_weights(type);
+    const uint8_t* w = base + offset;
+    if (forced_panel || (isa == kAuto && use_panels(m, type, use))) {
+      const at::Tensor b = bias_f32.defined() ? bias_f32.narrow(0, col, rows) : at::Tensor();
+      switch (type) {
+        case kQ4_0: run_panels<FQ4_0>(use, o_part, x, w, rows, b); break;
+        case kQ4_1: run_panels<FQ4_1>(use, o_part, x, w, rows, b); break;
+        case kQ5_0: run_panels<FQ5_0>(use, o_part, x, w, rows, b); break;
+        case kQ5_1: run_panels<FQ5_1>(use, o_part, x, w, rows, b); break;
+        case kQ4_K: run_panels<FQ4_K>(use, o_part, x, w, rows, b); break;
+        case kQ5_K: run_panels<FQ5_K>(use, o_part, x, w, rows, b); break;
+        case kQ6_K: run_panels<FQ6_K>(use, o_part, x, w, rows, b); break;
+        default: TORCH_CHECK(false, "kquant_gemm: GGML type ", type, " has no kernel");
+      }
+      col += rows;
+      continue;
+    }
     XQuant& xq = s == 32 ? x32 : x256;
     if (xq.k == 0) xq = quantize_x(x, s);
     const bool f32 = out.scalar_type() == at::kFloat;
     const Out o{f32 ? o_part.data_ptr<float>() : nullptr, f32 ? nullptr : o_part.data_ptr<c10::BFloat16>(),
                 out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() + col : nullptr, rows};
-    const uint8_t* w = base + offset;
     const int64_t blocks = (rows + kCols - 1) / kCols;
     switch (type) {
       case kQ4_0: run_format<FQ4_0>(use, xq, m, w, blocks, o); break;
