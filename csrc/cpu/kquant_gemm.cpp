@@ -4,10 +4,14 @@
 // Every format is, per block of S weights along K (32, or a K-quant's 256), w = D * sc_j * q - M * mn_j with D, M
 // float16 per block and column, small integer scales sc_j / offsets mn_j per sub-block j (K-quants only) and codes
 // q of 4, 5 or 6 bits (engine/model_executor/layers/formats.py says which field is which). x is quantized per block
-// of S to int8 (xq = round(x / dx), dx = amax / 127: llama.cpp's Q8_0 / Q8_K) with the sums of xq per 16 and 32,
-// so a block's contribution is dx * (D * S1 - M * S2) with S1 = sum_j sc_j sum_k q xq and S2 = sum_j mn_j bsum_j,
-// both exact in int32. The integer dot products are u8 (q) x s8 (xq): vpdpbusd (AVX-512 VNNI), or vpmaddubsw then
-// vpmaddwd with the sub-scale as the second operand (AVX2, AVX-512 without VNNI: the scale costs nothing there).
+// of S to int8 in two parts, as q8_gemm's VNNI path does: xh = round(x / dx), dx = amax / 127 (llama.cpp's Q8_0 /
+// Q8_K activations), and the residual xl = round(254 (x / dx - xh)) with scale dx / 254, so x is carried to 1 / 64516
+// of its block's largest value (one part: 1 / 254, coarser than bfloat16's own rounding). A tile treats xl as rows
+// of their own (row r of x is the tile's rows 2r, 2r + 1), so the weights are still read once. Per part and block
+// the contribution is dx * (D * S1 - M * S2) with S1 = sum_j sc_j sum_k q xq and S2 = sum_j mn_j bsum_j (the sums of
+// xq per 16 and 32), both exact in int32; a row's two parts are summed at the end. The integer dot products are
+// u8 (q) x s8 (xq): vpdpbusd (AVX-512 VNNI), or vpmaddubsw then vpmaddwd with the sub-scale as the second
+// operand (AVX2, AVX-512 without VNNI: the scale costs nothing there).
 //
 // Packed layout (formats.py pack_kquant), per column block of 16 (N padded with zero columns), per block along K,
 // contiguous (a column block's weights are one stream):
@@ -21,29 +25,28 @@
 // The blob (formats.py pack_parts, int8): int64 header {magic, parts, N, K, ...}, per part {ggml type, rows, offset,
 // bytes}, then the parts; a Q8_0 part is csrc/cpu/q8_gemm.cpp's own layout and goes there.
 //
-// Threads: each part's column blocks split over the caller's OpenMP threads. Every row count runs the int8 tiles
-// (8 rows a tile on AVX-512, 4 on AVX2; a tile streams its column block's weights once, prefetching 4 KiB ahead,
-// and taller batches re-read them from cache). Measured on the 2-vCPU Xeon (Cascade Lake, VNNI), one thread, a
-// [2048, 8192] Q4_K weight: 1 row 0.81 ms (12.0 GB/s of packed weights; Q8_0's q8_gemm 1.59 ms, 11.2 GB/s), 8 rows
-// 1.56 ms; the explicit prefetch took 1 row from 1.48 ms, 8-row tiles took 8 rows from 1.94 ms.
-#include <omp.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <limits>
-#include <vector>
-
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Half.h>
+// Paths: the int8 tiles (8 of the tile's rows on AVX-512, i.e. 4 rows of x; 4 on AVX2; a tile streams its column
+// block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache), each part's column blocks
+// split over the caller's OpenMP threads; and from a row threshold (use_panels) the dequantized panels of
+// kquant_panel.cpp: float32 W^T panels into torch's GEMM, the dequantized model's own products.
+//
+// Measured on the 2-vCPU Xeon @ 2.50GHz (Cascade Lake: AVX-512 VNNI, no BF16/AMX), one thread's CPU time, a
+// [2048, 8192] weight, while the machine's other 5 jobs ran (load ~11 on 2 cores: absolute figures are 1.5-2x a
+// quiet machine's, where 1 row of Q4_K took 0.81 ms and 8 rows 1.56 ms with one part), same conditions before/after:
+//   x in two parts, decode (before -> after): VNNI Q4_K 1 row 1.34 -> 1.41 ms, 8 rows 2.51 -> 3.06; Q4_1 1.41 ->
+//   1.54, 8 rows 1.97 -> 5.11; Q6_K 1.62 -> 1.82, 8 rows 2.88 -> 5.79. One row stays bound by reading the weights
+//   (+5-13 %); 8 rows are compute-bound and pay for twice the dot products (1.2-2.6x). AVX2 build (after): Q4_K 1
+//   row 1.98 ms, 8 rows 12.4 ms; Q4_1 2.12 / 16.3; Q6_K 2.71 / 15.0.
+//   What it buys: SmolLM2-135M's Q4_1 file natively against itself dequantized to float32 (benchmarks/quant_quality
+//   .py): greedy tokens 59 % -> 100 % equal, same top-1 100 %, ln(PPL ratio) 4e-6.
+//   Tiles against panels against the float32 linear (ms; rows 16 / 64 / 128 / 512), VNNI: Q4_K tiles 8.6 / 36 / 70 /
+//   252, panels 44 / 67 / 77 / 313, float 30 / 49 / 57 / 196; Q6_K tiles 11 / 44 / 88 / 373, panels 46 / 68 / 76 /
+//   260; Q4_0 tiles 9.9 / 37 / 78 / 390, panels 42 / 47 / 101 / 294. AVX2 (16 / 64 / 128): Q4_K tiles 15 / 63 / 129,
+//   panels 31 / 47 / 71, float 25 / 38 / 56; Q6_K 18 / 121 / 152 vs 37 / 46 / 96; Q4_0 19 / 78 / 163 vs 29 / 60 /
+//   69; Q5_1 19 / 82 / 170 vs 30 / 45 / 68. So panels from kPanelRowsVnni = 128 rows on VNNI (the tiles' 4x int8
+//   rate keeps them ahead below; at 512 rows the panels win 1.3-1.4x but for Q4_K) and from kPanelRowsWiden = 32
+//   rows on AVX2 / AVX-512 without VNNI (the tiles cost ~1 ms a row there, the panels ~27 ms + 0.35 ms a row).
+#include "kquant_blocks.h"
 
 #include "../ops.h"
 
@@ -52,59 +55,13 @@ namespace cpu {
 
 namespace {
 
-constexpr int64_t kCols = 16;
+using namespace kquant;
+
 constexpr int64_t kMagic = 0x4B51504B;
-constexpr int64_t kRows = 4;                 // rows of x per tile (AVX2: 16 ymm)
-constexpr int64_t kRowsWide = 8;             // rows of x per tile (AVX-512: 32 zmm)
-constexpr int64_t kMinBlocksPerThread = 4;   // column blocks: a second thread costs more below this
-
-constexpr int64_t kPanelBytes = 4 << 20;    // one dequantized float32 panel of W^T (as q8_gemm's)
-
-enum Isa : int64_t { kAuto = 0, kPlain = 1, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-
-// A format's geometry: Bits of a code, S weights a block, Sub weights a sub-scale (0: none), whether M is stored
-// (else M = MMul * D) and whether the offsets mn are their own (else mn = sc: Q6_K).
-template <int Bits, int S, int Sub, bool StoresM, int MMul, bool OwnMins>
-struct Fmt {
-  static constexpr int kBits = Bits, kS = S, kSub = Sub, kMMul = MMul;
-  static constexpr bool kStoresM = StoresM, kOwnMins = OwnMins;
-  static constexpr int kJ32 = S / 32;
-  static constexpr int kSubs = Sub ? S / Sub : 0;
-  static constexpr int kHiBytes = Bits == 5 ? 64 : Bits == 6 ? 128 : 0;
-  static constexpr int kOffHi = kJ32 * 256;
-  static constexpr int kOffD = kOffHi + kJ32 * kHiBytes;
-  static constexpr int kOffM = kOffD + 32;
-  static constexpr int kOffSc = kOffM + (StoresM ? 32 : 0);
-  static constexpr int kOffMn = kOffSc + kSubs * 16;
-  static constexpr int kBytes = kOffMn + (OwnMins ? kSubs * 16 : 0);
-};
-using FQ4_0 = Fmt<4, 32, 0, false, 8, false>;
-using FQ4_1 = Fmt<4, 32, 0, true, 0, false>;
-using FQ5_0 = Fmt<5, 32, 0, false, 16, false>;
-using FQ5_1 = Fmt<5, 32, 0, true, 0, false>;
-using FQ4_K = Fmt<4, 256, 32, true, 0, true>;
-using FQ5_K = Fmt<5, 256, 32, true, 0, true>;
-using FQ6_K = Fmt<6, 256, 16, false, 32, false>;
-
-bool cpu_has_vnni() {
-#if defined(__AVX512F__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  return has;
-#else
-  return false;
-#endif
-}
-
-// oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX): there a bfloat16 x meets a bfloat16 panel.
-bool cpu_has_bf16_dot() {
-#if defined(__AVX512F__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
-}
+constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
+constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
+constexpr int64_t kPanelRowsVnni = 128;  // rows from which the panels serve, VNNI tiles below (header)
+constexpr int64_t kPanelRowsWiden = 32;  // the same for the maddubs tiles (AVX2, AVX-512 without VNNI)
 
 Isa best_isa() {
 #if defined(__AVX512F__)
@@ -211,27 +168,6 @@ inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, c
   }
 }
 
-inline float half_at(const uint8_t* p, int i) {
-  uint16_t h;
-  std::memcpy(&h, p + 2 * i, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
-// ------------------------------------------------------------------ plain C++ (any CPU; the reference layout reader)
-
-template <class F>
-inline int code(const uint8_t* b, int j32, int g, int c, int i) {
-  const uint8_t lo = b[j32 * 256 + (g & 3) * 64 + c * 4 + i];
-  int q = g < 4 ? lo & 15 : lo >> 4;
-  if constexpr (F::kBits == 5) q |= ((b[F::kOffHi + j32 * 64 + c * 4 + i] >> g) & 1) << 4;
-  if constexpr (F::kBits == 6) q |= ((b[F::kOffHi + j32 * 128 + (g >> 2) * 64 + c * 4 + i] >> (2 * (g & 3))) & 3) << 4;
-  return q;
-}
-
-inline int pair_at(const uint8_t* p, int j, int c) {  // [subs/2][16][2] int8, sub j of column c
-  return static_cast<int8_t>(p[(j / 2) * 32 + c * 2 + (j & 1)]);
-}
-
 template <class F>
 void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
   const int64_t sb = xq.k / F::kS;
@@ -284,126 +220,10 @@ void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// 8 columns a ymm; a 16-column block is two halves.
-struct V256 {
-  using I = __m256i;
-  using F = __m256;
-  static constexpr int kL = 8;
-  static constexpr bool kVnni = false;
-  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static I set8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
-  static I set16(int v) { return _mm256_set1_epi16(static_cast<int16_t>(v)); }
-  static I set32(int32_t v) { return _mm256_set1_epi32(v); }
-  static I zero() { return _mm256_setzero_si256(); }
-  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
-  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  template <int N>
-  static I shift16(I v) {  // N > 0: left
-    if constexpr (N > 0) return _mm256_slli_epi16(v, N);
-    else if constexpr (N < 0) return _mm256_srli_epi16(v, -N);
-    else return v;
-  }
-  template <int N>
-  static I shl32(I v) { return _mm256_slli_epi32(v, N); }
-  static I sra16of32(I v) { return _mm256_srai_epi32(v, 16); }
-  static I srl16of32(I v) { return _mm256_srli_epi32(v, 16); }
-  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
-  static I maddubs(I w, I x) { return _mm256_maddubs_epi16(w, x); }
-  static I dot(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), set16(1))); }
-  static I pairs(const uint8_t* p) {  // 8 columns' int8 pairs -> int16 pairs in 32-bit lanes
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static F halfs(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
-  static F fset(float v) { return _mm256_set1_ps(v); }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
-  template <int N>
-  static I srl32(I v) { return _mm256_srli_epi32(v, N); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-};
-
-#if defined(__AVX512F__)
-template <bool Vnni>
-struct V512 {
-  using I = __m512i;
-  using F = __m512;
-  static constexpr int kL = 16;
-  static constexpr bool kVnni = Vnni;
-  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static I set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
-  static I set16(int v) { return _mm512_set1_epi16(static_cast<int16_t>(v)); }
-  static I set32(int32_t v) { return _mm512_set1_epi32(v); }
-  static I zero() { return _mm512_setzero_si512(); }
-  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
-  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  template <int N>
-  static I shift16(I v) {
-    if constexpr (N > 0) return _mm512_slli_epi16(v, N);
-    else if constexpr (N < 0) return _mm512_srli_epi16(v, -N);
-    else return v;
-  }
-  template <int N>
-  static I shl32(I v) { return _mm512_slli_epi32(v, N); }
-  static I sra16of32(I v) { return _mm512_srai_epi32(v, 16); }
-  static I srl16of32(I v) { return _mm512_srli_epi32(v, 16); }
-  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  static I madd(I a, I b) { return _mm512_madd_epi16(a, b); }
-  static I maddubs(I w, I x) { return _mm512_maddubs_epi16(w, x); }
-  static I dot(I acc, I w, I x) {
-    if constexpr (Vnni) return _mm512_dpbusd_epi32(acc, w, x);
-    else return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), set16(1)));
-  }
-  static I pairs(const uint8_t* p) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static F halfs(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
-  static F fset(float v) { return _mm512_set1_ps(v); }
-  static F fzero() { return _mm512_setzero_ps(); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
-  template <int N>
-  static I srl32(I v) { return _mm512_srli_epi32(v, N); }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
-#endif
-
 inline int32_t four(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
-}
-
-// Codes of groups g and g + 4 of one 32-k chunk: uint8 in 0 .. 2^Bits - 1, 4 k of a column a 32-bit lane.
-template <class V, class F, int G>
-inline void unpack(const uint8_t* b, int j32, int lane0, typename V::I& w0, typename V::I& w1) {
-  using I = typename V::I;
-  const I v = V::load(b + j32 * 256 + G * 64 + lane0 * 4);
-  const I m0f = V::set8(0x0f);
-  w0 = V::and_(v, m0f);
-  w1 = V::and_(V::template shift16<-4>(v), m0f);
-  if constexpr (F::kBits == 5) {  // bit G -> 4 for group G, bit G + 4 -> 4 for group G + 4
-    const I h = V::load(b + F::kOffHi + j32 * 64 + lane0 * 4);
-    const I m10 = V::set8(0x10);
-    w0 = V::or_(w0, V::and_(V::template shift16<4 - G>(h), m10));
-    w1 = V::or_(w1, V::and_(V::template shift16<-G>(h), m10));
-  }
-  if constexpr (F::kBits == 6) {  // bits 2G..2G+1 of line 0 (group G) and of line 1 (group G + 4) -> 4..5
-    const I h0 = V::load(b + F::kOffHi + j32 * 128 + lane0 * 4);
-    const I h1 = V::load(b + F::kOffHi + j32 * 128 + 64 + lane0 * 4);
-    const I m30 = V::set8(0x30);
-    w0 = V::or_(w0, V::and_(V::template shift16<4 - 2 * G>(h0), m30));
-    w1 = V::or_(w1, V::and_(V::template shift16<4 - 2 * G>(h1), m30));
-  }
 }
 
 // One 32-k chunk of R rows: S1 += its sub-scaled integer dot products (the sub-scales: sc pairs `p` as loaded,
@@ -535,55 +355,6 @@ void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int6
   }
 }
 
-// The panel path's dequantization of one column block's blocks into W^T rows (float32 [K, ld], columns col0..+15):
-// w = (D sc) q - (M mn) per lane, the codes as unpack reads them (byte i of a lane is k 4g + i).
-template <class V, class F, int G>
-inline void dequant_groups(const uint8_t* b, int j32, int lane0, float* dst, int64_t ld, typename V::F sc0,
-                           typename V::F sc1, typename V::F mn0, typename V::F mn1) {
-  typename V::I w0, w1;
-  unpack<V, F, G>(b, j32, lane0, w0, w1);
-  const typename V::I ff = V::set32(0xff);
-  auto put = [&](typename V::I w, int64_t kk, typename V::F sc, typename V::F mn) {
-    V::store(dst + (kk + 0) * ld, V::fmsub(V::cvt(V::and_(w, ff)), sc, mn));
-    V::store(dst + (kk + 1) * ld, V::fmsub(V::cvt(V::and_(V::template srl32<8>(w), ff)), sc, mn));
-    V::store(dst + (kk + 2) * ld, V::fmsub(V::cvt(V::and_(V::template srl32<16>(w), ff)), sc, mn));
-    V::store(dst + (kk + 3) * ld, V::fmsub(V::cvt(V::template srl32<24>(w)), sc, mn));
-  };
-  put(w0, j32 * 32 + 4 * G, sc0, mn0);
-  put(w1, j32 * 32 + 16 + 4 * G, sc1, mn1);
-}
-
-template <class V, class F>
-void simd_dequant(const uint8_t* wb, int64_t sb, float* dst, int64_t ld) {  // dst: [K, ld] at the block's column 0
-  using FV = typename V::F;
-  for (int64_t s = 0; s < sb; ++s) {
-    const uint8_t* b = wb + s * F::kBytes;
-    for (int lane0 = 0; lane0 < kCols; lane0 += V::kL) {
-      const FV dd = V::halfs(b + F::kOffD + lane0 * 2);
-      const FV mm = F::kStoresM ? V::halfs(b + F::kOffM + lane0 * 2) : V::mul(dd, V::fset(float(F::kMMul)));
-      for (int j32 = 0; j32 < F::kJ32; ++j32) {
-        FV sc0 = dd, sc1 = dd, mn0 = mm, mn1 = mm;
-        if constexpr (F::kSub != 0) {  // sub-scales (and offsets) of this chunk's k 0-15 and 16-31, per lane
-          const int pair = F::kSub == 32 ? j32 / 2 : j32;
-          auto pick = [&](int off, bool odd) {
-            const typename V::I p = V::pairs(b + off + pair * 32 + lane0 * 2);
-            return V::cvt(odd ? V::sra16of32(p) : V::sra16of32(V::template shl32<16>(p)));
-          };
-          const FV a0 = pick(F::kOffSc, F::kSub == 32 ? (j32 & 1) : 0);
-          const FV a1 = F::kSub == 32 ? a0 : pick(F::kOffSc, 1);
-          const FV n0 = F::kOwnMins ? pick(F::kOffMn, j32 & 1) : a0, n1 = F::kOwnMins ? n0 : a1;
-          sc0 = V::mul(dd, a0), sc1 = V::mul(dd, a1), mn0 = V::mul(mm, n0), mn1 = V::mul(mm, n1);
-        }
-        float* d = dst + s * F::kS * ld + lane0;
-        dequant_groups<V, F, 0>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
-        dequant_groups<V, F, 1>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
-        dequant_groups<V, F, 2>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
-        dequant_groups<V, F, 3>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
-      }
-    }
-  }
-}
-
 #endif  // __AVX2__ && __FMA__
 
 #if defined(__AVX512F__)
@@ -591,82 +362,6 @@ void simd_dequant(const uint8_t* wb, int64_t sb, float* dst, int64_t ld) {  // d
 #endif
 
 // ------------------------------------------------------------------ driver
-
-template <typename Fn>
-void over_threads(int64_t blocks, Fn&& fn) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / kMinBlocksPerThread));
-  if (threads == 1) return fn(int64_t{0}, blocks);
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    fn(blocks * t / nt, blocks * (t + 1) / nt);
-  }
-}
-
-template <class F>
-void plain_dequant(const uint8_t* wb, int64_t sb, float* dst, int64_t ld) {  // simd_dequant's plain C++ form
-  for (int64_t s = 0; s < sb; ++s) {
-    const uint8_t* b = wb + s * F::kBytes;
-    for (int c = 0; c < kCols; ++c) {
-      const float dd = half_at(b + F::kOffD, c);
-      const float mm = F::kStoresM ? half_at(b + F::kOffM, c) : dd * static_cast<float>(F::kMMul);
-      for (int j32 = 0; j32 < F::kJ32; ++j32)
-        for (int g = 0; g < 8; ++g) {
-          const int sub = F::kSub == 16 ? 2 * j32 + (g >> 2) : j32;
-          const float sc = F::kSub ? static_cast<float>(pair_at(b + F::kOffSc, sub, c)) : 1.0f;
-          const float mn = F::kSub ? static_cast<float>(pair_at(b + (F::kOwnMins ? F::kOffMn : F::kOffSc), sub, c))
-                                   : 1.0f;
-          for (int i = 0; i < 4; ++i)
-            dst[(s * F::kS + j32 * 32 + 4 * g + i) * ld + c] =
-                static_cast<float>(code<F>(b, j32, g, c, i)) * (dd * sc) - mm * mn;
-        }
-    }
-  }
-}
-
-// kPanel: out = x @ W^T a panel of column blocks at a time: W^T's panel dequantized to float32 [K, P] on the
-// caller's OpenMP threads, then torch's GEMM (oneDNN; bfloat16 where x and out are and the CPU multiplies bfloat16
-// natively), so a prefill costs what the float model's does and equals the dequantized model's product.
-template <class F>
-void run_panels(Isa isa, at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n, const at::Tensor& bias) {
-  const int64_t k = x.size(1), sb = k / F::kS, blocks = (n + kCols - 1) / kCols;
-  const int64_t panel_blocks = std::min(blocks, std::max<int64_t>(4, kPanelBytes / (k * 4 * kCols)));
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot();
-  const at::ScalarType pt = bf16 ? at::kBFloat16 : at::kFloat;
-  const at::Tensor xin = x.scalar_type() == pt ? x : x.to(pt);
-  at::Tensor scratch = at::empty({k * panel_blocks * kCols}, x.options().dtype(at::kFloat));
-  for (int64_t b0 = 0; b0 < blocks; b0 += panel_blocks) {
-    const int64_t b1 = std::min(blocks, b0 + panel_blocks), ld = (b1 - b0) * kCols;
-    const int64_t c0 = b0 * kCols, cols = std::min(n, b1 * kCols) - c0;
-    float* dst = scratch.data_ptr<float>();
-    over_threads(b1 - b0, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* wb = w + (b0 + p) * sb * F::kBytes;
-#if defined(__AVX512F__)
-        if (isa >= kAvx512) { simd_dequant<V512<false>, F>(wb, sb, dst + p * kCols, ld); continue; }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-        if (isa >= kAvx2) { simd_dequant<V256, F>(wb, sb, dst + p * kCols, ld); continue; }
-#endif
-        plain_dequant<F>(wb, sb, dst + p * kCols, ld);
-      }
-    });
-    at::Tensor wt = scratch.narrow(0, 0, k * ld).view({k, ld}).narrow(1, 0, cols);
-    if (pt != at::kFloat) wt = wt.to(pt);
-    at::Tensor o = out.narrow(1, c0, cols);
-    if (out.scalar_type() == pt) {
-      if (bias.defined()) {
-        at::addmm_out(o, bias.narrow(0, c0, cols).to(pt), xin, wt);
-      } else {
-        at::mm_out(o, xin, wt);
-      }
-    } else {
-      at::Tensor t = at::mm(xin, wt);
-      if (bias.defined()) t.add_(bias.narrow(0, c0, cols));
-      o.copy_(t);
-    }
-  }
-}
 
 template <class F>
 void run_format(Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t blocks, const Out& o) {
@@ -682,9 +377,9 @@ void run_format(Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t 
   });
 }
 
-// Whether m rows go through the panels (kPanel) rather than the int8 tiles: PROVISIONAL, measured below.
-// PAGEDSERVE_KQUANT_PANEL_ROWS=R moves the threshold to R rows (0: never), for measuring.
-bool use_panels(int64_t m, int64_t type, Isa isa) {
+// Whether m rows go through the panels (kPanel) rather than the int8 tiles (the header's measurements: one threshold
+// serves every format). PAGEDSERVE_KQUANT_PANEL_ROWS=R moves it to R rows (0: never), for measuring.
+bool use_panels(int64_t m, Isa isa) {
   static const int64_t forced = [] {
     const char* v = std::getenv("PAGEDSERVE_KQUANT_PANEL_ROWS");
     if (v == nullptr || v[0] == '\0') return int64_t{-1};
@@ -692,8 +387,7 @@ bool use_panels(int64_t m, int64_t type, Isa isa) {
     return r <= 0 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(r);
   }();
   if (forced >= 0) return m >= forced;
-  (void)type;
-  return m >= (isa == kVnni ? 64 : 32);
+  return m >= (isa == kVnni ? kPanelRowsVnni : kPanelRowsWiden);
 }
 
 int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 256 : 32; }
@@ -765,18 +459,9 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     }
     const int64_t s = block_weights(type);
     const uint8_t* w = base + offset;
-    if (forced_panel || (isa == kAuto && use_panels(m, type, use))) {
+    if (forced_panel || (isa == kAuto && use_panels(m, use))) {
       const at::Tensor b = bias_f32.defined() ? bias_f32.narrow(0, col, rows) : at::Tensor();
-      switch (type) {
-        case kQ4_0: run_panels<FQ4_0>(use, o_part, x, w, rows, b); break;
-        case kQ4_1: run_panels<FQ4_1>(use, o_part, x, w, rows, b); break;
-        case kQ5_0: run_panels<FQ5_0>(use, o_part, x, w, rows, b); break;
-        case kQ5_1: run_panels<FQ5_1>(use, o_part, x, w, rows, b); break;
-        case kQ4_K: run_panels<FQ4_K>(use, o_part, x, w, rows, b); break;
-        case kQ5_K: run_panels<FQ5_K>(use, o_part, x, w, rows, b); break;
-        case kQ6_K: run_panels<FQ6_K>(use, o_part, x, w, rows, b); break;
-        default: TORCH_CHECK(false, "kquant_gemm: GGML type ", type, " has no kernel");
-      }
+      panels(type, use, o_part, x, w, rows, b);
       col += rows;
       continue;
     }
