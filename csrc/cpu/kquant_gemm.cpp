@@ -4,10 +4,14 @@
 // Every format is, per block of S weights along K (32, or a K-quant's 256), w = D * sc_j * q - M * mn_j with D, M
 // float16 per block and column, small integer scales sc_j / offsets mn_j per sub-block j (K-quants only) and codes
 // q of 4, 5 or 6 bits (engine/model_executor/layers/formats.py says which field is which). x is quantized per block
-// of S to int8 (xq = round(x / dx), dx = amax / 127: llama.cpp's Q8_0 / Q8_K) with the sums of xq per 16 and 32,
-// so a block's contribution is dx * (D * S1 - M * S2) with S1 = sum_j sc_j sum_k q xq and S2 = sum_j mn_j bsum_j,
-// both exact in int32. The integer dot products are u8 (q) x s8 (xq): vpdpbusd (AVX-512 VNNI), or vpmaddubsw then
-// vpmaddwd with the sub-scale as the second operand (AVX2, AVX-512 without VNNI: the scale costs nothing there).
+// of S to int8 in two parts, as q8_gemm's VNNI path does: xh = round(x / dx), dx = amax / 127 (llama.cpp's Q8_0 /
+// Q8_K activations), and the residual xl = round(254 (x / dx - xh)) with scale dx / 254, so x is carried to 1 / 64516
+// of its block's largest value (one part: 1 / 254, coarser than bfloat16's own rounding). A tile treats xl as rows
+// of their own (row r of x is the tile's rows 2r, 2r + 1), so the weights are still read once. Per part and block
+// the contribution is dx * (D * S1 - M * S2) with S1 = sum_j sc_j sum_k q xq and S2 = sum_j mn_j bsum_j (the sums of
+// xq per 16 and 32), both exact in int32; a row's two parts are summed at the end. The integer dot products are
+// u8 (q) x s8 (xq): vpdpbusd (AVX-512 VNNI), or vpmaddubsw then vpmaddwd with the sub-scale as the second
+// operand (AVX2, AVX-512 without VNNI: the scale costs nothing there).
 //
 // Packed layout (formats.py pack_kquant), per column block of 16 (N padded with zero columns), per block along K,
 // contiguous (a column block's weights are one stream):
@@ -21,27 +25,28 @@
 // The blob (formats.py pack_parts, int8): int64 header {magic, parts, N, K, ...}, per part {ggml type, rows, offset,
 // bytes}, then the parts; a Q8_0 part is csrc/cpu/q8_gemm.cpp's own layout and goes there.
 //
-// Threads: each part's column blocks split over the caller's OpenMP threads. Every row count runs the int8 tiles
-// (8 rows a tile on AVX-512, 4 on AVX2; a tile streams its column block's weights once, prefetching 4 KiB ahead,
-// and taller batches re-read them from cache). Measured on the 2-vCPU Xeon (Cascade Lake, VNNI), one thread, a
-// [2048, 8192] Q4_K weight: 1 row 0.81 ms (12.0 GB/s of packed weights; Q8_0's q8_gemm 1.59 ms, 11.2 GB/s), 8 rows
-// 1.56 ms; the explicit prefetch took 1 row from 1.48 ms, 8-row tiles took 8 rows from 1.94 ms.
-#include <omp.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Half.h>
+// Paths: the int8 tiles (8 of the tile's rows on AVX-512, i.e. 4 rows of x; 4 on AVX2; a tile streams its column
+// block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache), each part's column blocks
+// split over the caller's OpenMP threads; and from a row threshold (use_panels) the dequantized panels of
+// kquant_panel.cpp: float32 W^T panels into torch's GEMM, the dequantized model's own products.
+//
+// Measured on the 2-vCPU Xeon @ 2.50GHz (Cascade Lake: AVX-512 VNNI, no BF16/AMX), one thread's CPU time, a
+// [2048, 8192] weight, while the machine's other 5 jobs ran (load ~11 on 2 cores: absolute figures are 1.5-2x a
+// quiet machine's, where 1 row of Q4_K took 0.81 ms and 8 rows 1.56 ms with one part), same conditions before/after:
+//   x in two parts, decode (before -> after): VNNI Q4_K 1 row 1.34 -> 1.41 ms, 8 rows 2.51 -> 3.06; Q4_1 1.41 ->
+//   1.54, 8 rows 1.97 -> 5.11; Q6_K 1.62 -> 1.82, 8 rows 2.88 -> 5.79. One row stays bound by reading the weights
+//   (+5-13 %); 8 rows are compute-bound and pay for twice the dot products (1.2-2.6x). AVX2 build (after): Q4_K 1
+//   row 1.98 ms, 8 rows 12.4 ms; Q4_1 2.12 / 16.3; Q6_K 2.71 / 15.0.
+//   What it buys: SmolLM2-135M's Q4_1 file natively against itself dequantized to float32 (benchmarks/quant_quality
+//   .py): greedy tokens 59 % -> 100 % equal, same top-1 100 %, ln(PPL ratio) 4e-6.
+//   Tiles against panels against the float32 linear (ms; rows 16 / 64 / 128 / 512), VNNI: Q4_K tiles 8.6 / 36 / 70 /
+//   252, panels 44 / 67 / 77 / 313, float 30 / 49 / 57 / 196; Q6_K tiles 11 / 44 / 88 / 373, panels 46 / 68 / 76 /
+//   260; Q4_0 tiles 9.9 / 37 / 78 / 390, panels 42 / 47 / 101 / 294. AVX2 (16 / 64 / 128): Q4_K tiles 15 / 63 / 129,
+//   panels 31 / 47 / 71, float 25 / 38 / 56; Q6_K 18 / 121 / 152 vs 37 / 46 / 96; Q4_0 19 / 78 / 163 vs 29 / 60 /
+//   69; Q5_1 19 / 82 / 170 vs 30 / 45 / 68. So panels from kPanelRowsVnni = 128 rows on VNNI (the tiles' 4x int8
+//   rate keeps them ahead below; at 512 rows the panels win 1.3-1.4x but for Q4_K) and from kPanelRowsWiden = 32
+//   rows on AVX2 / AVX-512 without VNNI (the tiles cost ~1 ms a row there, the panels ~27 ms + 0.35 ms a row).
+#include "kquant_blocks.h"
 
 #include "../ops.h"
 
@@ -50,47 +55,13 @@ namespace cpu {
 
 namespace {
 
-constexpr int64_t kCols = 16;
+using namespace kquant;
+
 constexpr int64_t kMagic = 0x4B51504B;
-constexpr int64_t kRows = 4;                 // rows of x per tile (AVX2: 16 ymm)
-constexpr int64_t kRowsWide = 8;             // rows of x per tile (AVX-512: 32 zmm)
-constexpr int64_t kMinBlocksPerThread = 4;   // column blocks: a second thread costs more below this
-
-enum Isa : int64_t { kAuto = 0, kPlain = 1, kAvx2 = 2, kAvx512 = 3, kVnni = 5 };
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
-
-// A format's geometry: Bits of a code, S weights a block, Sub weights a sub-scale (0: none), whether M is stored
-// (else M = MMul * D) and whether the offsets mn are their own (else mn = sc: Q6_K).
-template <int Bits, int S, int Sub, bool StoresM, int MMul, bool OwnMins>
-struct Fmt {
-  static constexpr int kBits = Bits, kS = S, kSub = Sub, kMMul = MMul;
-  static constexpr bool kStoresM = StoresM, kOwnMins = OwnMins;
-  static constexpr int kJ32 = S / 32;
-  static constexpr int kSubs = Sub ? S / Sub : 0;
-  static constexpr int kHiBytes = Bits == 5 ? 64 : Bits == 6 ? 128 : 0;
-  static constexpr int kOffHi = kJ32 * 256;
-  static constexpr int kOffD = kOffHi + kJ32 * kHiBytes;
-  static constexpr int kOffM = kOffD + 32;
-  static constexpr int kOffSc = kOffM + (StoresM ? 32 : 0);
-  static constexpr int kOffMn = kOffSc + kSubs * 16;
-  static constexpr int kBytes = kOffMn + (OwnMins ? kSubs * 16 : 0);
-};
-using FQ4_0 = Fmt<4, 32, 0, false, 8, false>;
-using FQ4_1 = Fmt<4, 32, 0, true, 0, false>;
-using FQ5_0 = Fmt<5, 32, 0, false, 16, false>;
-using FQ5_1 = Fmt<5, 32, 0, true, 0, false>;
-using FQ4_K = Fmt<4, 256, 32, true, 0, true>;
-using FQ5_K = Fmt<5, 256, 32, true, 0, true>;
-using FQ6_K = Fmt<6, 256, 16, false, 32, false>;
-
-bool cpu_has_vnni() {
-#if defined(__AVX512F__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  return has;
-#else
-  return false;
-#endif
-}
+constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
+constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
+constexpr int64_t kPanelRowsVnni = 128;  // rows from which the panels serve, VNNI tiles below (header)
+constexpr int64_t kPanelRowsWiden = 32;  // the same for the maddubs tiles (AVX2, AVX-512 without VNNI)
 
 Isa best_isa() {
 #if defined(__AVX512F__)
@@ -102,28 +73,21 @@ Isa best_isa() {
 #endif
 }
 
-// x quantized per block of S: int8 rows of K, per block dx, per 16 and per 32 the sums of xq (int16).
+// x quantized per block of S in two int8 parts (the residual is kLowSteps finer): "expanded" rows 2r (xh) and
+// 2r + 1 (xl) of row r, each with per block its scale (dx, dx / kLowSteps) and per 16 and 32 its sums (int16), so a
+// tile treats xl as rows of its own and the weights are still read once.
+constexpr int kParts = 2;
+constexpr float kLowSteps = 254.0f;  // xl's steps per step of xh (|254 (t - xh)| <= 127)
+
 struct XQuant {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int16_t> s16, s32;
   int64_t k = 0, s = 0;
-  const int8_t* row(int64_t r) const { return q.data() + r * k; }
+  const int8_t* row(int64_t e) const { return q.data() + e * k; }
 };
 
-template <typename T>
-void quantize_row(const T* x, int64_t k, int64_t s, int8_t* q, float* d, int16_t* s16, int16_t* s32) {
-  for (int64_t b = 0; b < k / s; ++b) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < s; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[b * s + i])));
-    const float db = amax / 127.0f;
-    const float id = db != 0.0f ? 1.0f / db : 0.0f;
-    for (int64_t i = 0; i < s; ++i) {
-      const float r = std::nearbyint(static_cast<float>(x[b * s + i]) * id);  // ties to even
-      q[b * s + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-    }
-    d[b] = db;
-  }
+inline void block_sums(const int8_t* q, int64_t k, int16_t* s16, int16_t* s32) {
   for (int64_t j = 0; j < k / 16; ++j) {
     int v = 0;
     for (int i = 0; i < 16; ++i) v += q[j * 16 + i];
@@ -132,26 +96,47 @@ void quantize_row(const T* x, int64_t k, int64_t s, int8_t* q, float* d, int16_t
   for (int64_t j = 0; j < k / 32; ++j) s32[j] = static_cast<int16_t>(s16[2 * j] + s16[2 * j + 1]);
 }
 
+// One row's blocks: dx = amax / 127 (float32), t = x * (1 / dx), xh = round-half-even(t), xl = round-half-even(254 *
+// (t - xh)), x = dx * xh + (dx / 254) * xl to 1 / 64516 of the block's largest |x| (one part: 1 / 254, coarser than
+// bfloat16 itself); formats.py quantize_activations is the same arithmetic.
+template <typename T>
+void quantize_row(const T* x, int64_t k, int64_t s, int8_t* qh, int8_t* ql, float* dh, float* dl) {
+  for (int64_t b = 0; b < k / s; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < s; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[b * s + i])));
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    for (int64_t i = 0; i < s; ++i) {
+      const float t = static_cast<float>(x[b * s + i]) * id;
+      const float v = std::min(127.0f, std::max(-127.0f, std::nearbyint(t)));  // ties to even
+      qh[b * s + i] = static_cast<int8_t>(v);
+      ql[b * s + i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint((t - v) * kLowSteps))));
+    }
+    dh[b] = db;
+    dl[b] = db / kLowSteps;
+  }
+}
+
 XQuant quantize_x(const at::Tensor& x, int64_t s) {
-  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t m = x.size(0), k = x.size(1), e = kParts * m;
   XQuant xq;
   xq.k = k;
   xq.s = s;
-  xq.q.resize(m * k);
-  xq.d.resize(m * (k / s));
-  xq.s16.resize(m * (k / 16));
-  xq.s32.resize(m * (k / 32));
+  xq.q.resize(e * k);
+  xq.d.resize(e * (k / s));
+  xq.s16.resize(e * (k / 16));
+  xq.s32.resize(e * (k / 32));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto row = [&](int64_t r) {
-    int8_t* q = xq.q.data() + r * k;
-    float* d = xq.d.data() + r * (k / s);
-    int16_t* s16 = xq.s16.data() + r * (k / 16);
-    int16_t* s32 = xq.s32.data() + r * (k / 32);
+    int8_t* q = xq.q.data() + 2 * r * k;
+    float* d = xq.d.data() + 2 * r * (k / s);
     if (bf16) {
-      quantize_row(x.data_ptr<c10::BFloat16>() + r * x.stride(0), k, s, q, d, s16, s32);
+      quantize_row(x.data_ptr<c10::BFloat16>() + r * x.stride(0), k, s, q, q + k, d, d + k / s);
     } else {
-      quantize_row(x.data_ptr<float>() + r * x.stride(0), k, s, q, d, s16, s32);
+      quantize_row(x.data_ptr<float>() + r * x.stride(0), k, s, q, q + k, d, d + k / s);
     }
+    for (int64_t p = 0; p < kParts; ++p)
+      block_sums(q + p * k, k, xq.s16.data() + (2 * r + p) * (k / 16), xq.s32.data() + (2 * r + p) * (k / 32));
   };
   if (m > 1 && m * k >= (1 << 16)) {
 #pragma omp parallel for schedule(static)
@@ -183,33 +168,14 @@ inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, c
   }
 }
 
-inline float half_at(const uint8_t* p, int i) {
-  uint16_t h;
-  std::memcpy(&h, p + 2 * i, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
-// ------------------------------------------------------------------ plain C++ (any CPU; the reference layout reader)
-
-template <class F>
-inline int code(const uint8_t* b, int j32, int g, int c, int i) {
-  const uint8_t lo = b[j32 * 256 + (g & 3) * 64 + c * 4 + i];
-  int q = g < 4 ? lo & 15 : lo >> 4;
-  if constexpr (F::kBits == 5) q |= ((b[F::kOffHi + j32 * 64 + c * 4 + i] >> g) & 1) << 4;
-  if constexpr (F::kBits == 6) q |= ((b[F::kOffHi + j32 * 128 + (g >> 2) * 64 + c * 4 + i] >> (2 * (g & 3))) & 3) << 4;
-  return q;
-}
-
-inline int pair_at(const uint8_t* p, int j, int c) {  // [subs/2][16][2] int8, sub j of column c
-  return static_cast<int8_t>(p[(j / 2) * 32 + c * 2 + (j & 1)]);
-}
-
 template <class F>
 void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
   const int64_t sb = xq.k / F::kS;
+  float acc[kCols];
   for (int64_t blk = b0; blk < b1; ++blk) {
-    for (int64_t r = 0; r < m; ++r) {
-      float acc[kCols] = {};
+    for (int64_t e = 0; e < kParts * m; ++e) {  // expanded rows: xh, then xl of the same row
+      const int64_t r = e;
+      if (e % kParts == 0) std::fill(acc, acc + kCols, 0.0f);
       const int8_t* xr = xq.row(r);
       for (int64_t s = 0; s < sb; ++s) {
         const uint8_t* b = w + (blk * sb + s) * F::kBytes;
@@ -240,7 +206,7 @@ void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int
                             xq.d[r * (xq.k / F::kS) + s], acc[c]);
         }
       }
-      store_cols(o, r, blk * kCols, kCols, acc);
+      if (e % kParts == kParts - 1) store_cols(o, e / kParts, blk * kCols, kCols, acc);
     }
   }
 }
@@ -254,120 +220,10 @@ void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// 8 columns a ymm; a 16-column block is two halves.
-struct V256 {
-  using I = __m256i;
-  using F = __m256;
-  static constexpr int kL = 8;
-  static constexpr bool kVnni = false;
-  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static I set8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
-  static I set16(int v) { return _mm256_set1_epi16(static_cast<int16_t>(v)); }
-  static I set32(int32_t v) { return _mm256_set1_epi32(v); }
-  static I zero() { return _mm256_setzero_si256(); }
-  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
-  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  template <int N>
-  static I shift16(I v) {  // N > 0: left
-    if constexpr (N > 0) return _mm256_slli_epi16(v, N);
-    else if constexpr (N < 0) return _mm256_srli_epi16(v, -N);
-    else return v;
-  }
-  template <int N>
-  static I shl32(I v) { return _mm256_slli_epi32(v, N); }
-  static I sra16of32(I v) { return _mm256_srai_epi32(v, 16); }
-  static I srl16of32(I v) { return _mm256_srli_epi32(v, 16); }
-  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
-  static I maddubs(I w, I x) { return _mm256_maddubs_epi16(w, x); }
-  static I dot(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), set16(1))); }
-  static I pairs(const uint8_t* p) {  // 8 columns' int8 pairs -> int16 pairs in 32-bit lanes
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static F halfs(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
-  static F fset(float v) { return _mm256_set1_ps(v); }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-};
-
-#if defined(__AVX512F__)
-template <bool Vnni>
-struct V512 {
-  using I = __m512i;
-  using F = __m512;
-  static constexpr int kL = 16;
-  static constexpr bool kVnni = Vnni;
-  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static I set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
-  static I set16(int v) { return _mm512_set1_epi16(static_cast<int16_t>(v)); }
-  static I set32(int32_t v) { return _mm512_set1_epi32(v); }
-  static I zero() { return _mm512_setzero_si512(); }
-  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
-  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  template <int N>
-  static I shift16(I v) {
-    if constexpr (N > 0) return _mm512_slli_epi16(v, N);
-    else if constexpr (N < 0) return _mm512_srli_epi16(v, -N);
-    else return v;
-  }
-  template <int N>
-  static I shl32(I v) { return _mm512_slli_epi32(v, N); }
-  static I sra16of32(I v) { return _mm512_srai_epi32(v, 16); }
-  static I srl16of32(I v) { return _mm512_srli_epi32(v, 16); }
-  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  static I madd(I a, I b) { return _mm512_madd_epi16(a, b); }
-  static I maddubs(I w, I x) { return _mm512_maddubs_epi16(w, x); }
-  static I dot(I acc, I w, I x) {
-    if constexpr (Vnni) return _mm512_dpbusd_epi32(acc, w, x);
-    else return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), set16(1)));
-  }
-  static I pairs(const uint8_t* p) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static F halfs(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
-  static F fset(float v) { return _mm512_set1_ps(v); }
-  static F fzero() { return _mm512_setzero_ps(); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-};
-#endif
-
 inline int32_t four(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
-}
-
-// Codes of groups g and g + 4 of one 32-k chunk: uint8 in 0 .. 2^Bits - 1, 4 k of a column a 32-bit lane.
-template <class V, class F, int G>
-inline void unpack(const uint8_t* b, int j32, int lane0, typename V::I& w0, typename V::I& w1) {
-  using I = typename V::I;
-  const I v = V::load(b + j32 * 256 + G * 64 + lane0 * 4);
-  const I m0f = V::set8(0x0f);
-  w0 = V::and_(v, m0f);
-  w1 = V::and_(V::template shift16<-4>(v), m0f);
-  if constexpr (F::kBits == 5) {  // bit G -> 4 for group G, bit G + 4 -> 4 for group G + 4
-    const I h = V::load(b + F::kOffHi + j32 * 64 + lane0 * 4);
-    const I m10 = V::set8(0x10);
-    w0 = V::or_(w0, V::and_(V::template shift16<4 - G>(h), m10));
-    w1 = V::or_(w1, V::and_(V::template shift16<-G>(h), m10));
-  }
-  if constexpr (F::kBits == 6) {  // bits 2G..2G+1 of line 0 (group G) and of line 1 (group G + 4) -> 4..5
-    const I h0 = V::load(b + F::kOffHi + j32 * 128 + lane0 * 4);
-    const I h1 = V::load(b + F::kOffHi + j32 * 128 + 64 + lane0 * 4);
-    const I m30 = V::set8(0x30);
-    w0 = V::or_(w0, V::and_(V::template shift16<4 - 2 * G>(h0), m30));
-    w1 = V::or_(w1, V::and_(V::template shift16<4 - 2 * G>(h1), m30));
-  }
 }
 
 // One 32-k chunk of R rows: S1 += its sub-scaled integer dot products (the sub-scales: sc pairs `p` as loaded,
@@ -395,7 +251,8 @@ template <class F>
 constexpr int kChunkBytes = (F::kBytes / F::kJ32 + 63) / 64 * 64;
 constexpr int kPrefetchBytes = 4096;
 
-// R rows of one 16-column block over all of K: H halves of V::kL columns.
+// R expanded rows (R / 2 rows of x, each its xh and xl) of one 16-column block over all of K: H halves of V::kL
+// columns; a row's two parts are summed at the end.
 template <class V, class F, int R>
 void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Out& o, int64_t col0) {
   using I = typename V::I;
@@ -474,9 +331,10 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
     }
   }
   alignas(64) float buf[kCols];
-  for (int r = 0; r < R; ++r) {
-    for (int h = 0; h < H; ++h) V::store(buf + h * V::kL, acc[h][r]);
-    store_cols(o, row0 + r, col0, kCols, buf);
+  static_assert(R % kParts == 0 && kParts == 2, "a tile holds whole rows");
+  for (int r = 0; r < R; r += kParts) {
+    for (int h = 0; h < H; ++h) V::store(buf + h * V::kL, V::fadd(acc[h][r], acc[h][r + 1]));
+    store_cols(o, (row0 + r) / kParts, col0, kCols, buf);
   }
 }
 
@@ -486,15 +344,11 @@ void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int6
   for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* wb = w + blk * sb * F::kBytes;
     constexpr int64_t rows = V::kL == 16 ? kRowsWide : kRows;
-    for (int64_t r = 0; r < m; r += rows) {
-      switch (std::min<int64_t>(rows, m - r)) {
-        case 1: tile<V, F, 1>(xq, r, wb, sb, o, blk * kCols); break;
+    for (int64_t r = 0; r < kParts * m; r += rows) {  // expanded rows, an even count
+      switch (std::min<int64_t>(rows, kParts * m - r)) {
         case 2: tile<V, F, 2>(xq, r, wb, sb, o, blk * kCols); break;
-        case 3: tile<V, F, 3>(xq, r, wb, sb, o, blk * kCols); break;
         case 4: tile<V, F, 4>(xq, r, wb, sb, o, blk * kCols); break;
-        case 5: tile<V, F, rows < 5 ? 4 : 5>(xq, r, wb, sb, o, blk * kCols); break;
         case 6: tile<V, F, rows < 6 ? 4 : 6>(xq, r, wb, sb, o, blk * kCols); break;
-        case 7: tile<V, F, rows < 7 ? 4 : 7>(xq, r, wb, sb, o, blk * kCols); break;
         default: tile<V, F, rows < 8 ? 4 : 8>(xq, r, wb, sb, o, blk * kCols); break;
       }
     }
@@ -509,17 +363,6 @@ void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int6
 
 // ------------------------------------------------------------------ driver
 
-template <typename Fn>
-void over_threads(int64_t blocks, Fn&& fn) {
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / kMinBlocksPerThread));
-  if (threads == 1) return fn(int64_t{0}, blocks);
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    fn(blocks * t / nt, blocks * (t + 1) / nt);
-  }
-}
-
 template <class F>
 void run_format(Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t blocks, const Out& o) {
   over_threads(blocks, [&](int64_t b0, int64_t b1) {
@@ -532,6 +375,19 @@ void run_format(Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t 
 #endif
     plain_blocks<F>(xq, m, w, b0, b1, o);
   });
+}
+
+// Whether m rows go through the panels (kPanel) rather than the int8 tiles (the header's measurements: one threshold
+// serves every format). PAGEDSERVE_KQUANT_PANEL_ROWS=R moves it to R rows (0: never), for measuring.
+bool use_panels(int64_t m, Isa isa) {
+  static const int64_t forced = [] {
+    const char* v = std::getenv("PAGEDSERVE_KQUANT_PANEL_ROWS");
+    if (v == nullptr || v[0] == '\0') return int64_t{-1};
+    const long long r = std::atoll(v);
+    return r <= 0 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(r);
+  }();
+  if (forced >= 0) return m >= forced;
+  return m >= (isa == kVnni ? kPanelRowsVnni : kPanelRowsWiden);
 }
 
 int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 256 : 32; }
@@ -574,7 +430,8 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
   TORCH_CHECK(x.size(1) == k && out.size(1) == n && out.size(0) == m, "kquant_gemm: x [", m, ", ", x.size(1),
               "] and out [", out.size(0), ", ", out.size(1), "] for a weight [", n, ", ", k, "]");
   const Isa best = best_isa();
-  const Isa use = isa == kAuto ? best : static_cast<Isa>(isa);
+  const bool forced_panel = isa == kPanel;
+  const Isa use = isa == kAuto || forced_panel ? best : static_cast<Isa>(isa);
   TORCH_CHECK(use == kPlain || ((use == kAvx2 || use == kAvx512 || use == kVnni) && use <= best),
               "kquant_gemm: ISA path ", isa, " is not in this build or on this CPU (best ", best, ")");
   at::Tensor bias_f32;
@@ -596,17 +453,23 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     if (type == kQ8_0) {
       const at::Tensor w = blob.narrow(0, offset, bytes).view(at::kByte);
       q8_gemm(o_part, x, w, bias_f32.defined() ? c10::optional<at::Tensor>(bias_f32.narrow(0, col, rows))
-                                              : c10::nullopt, 0);
+                                              : c10::nullopt, forced_panel ? kPanel : 0);
       col += rows;
       continue;
     }
     const int64_t s = block_weights(type);
+    const uint8_t* w = base + offset;
+    if (forced_panel || (isa == kAuto && use_panels(m, use))) {
+      const at::Tensor b = bias_f32.defined() ? bias_f32.narrow(0, col, rows) : at::Tensor();
+      panels(type, use, o_part, x, w, rows, b);
+      col += rows;
+      continue;
+    }
     XQuant& xq = s == 32 ? x32 : x256;
     if (xq.k == 0) xq = quantize_x(x, s);
     const bool f32 = out.scalar_type() == at::kFloat;
     const Out o{f32 ? o_part.data_ptr<float>() : nullptr, f32 ? nullptr : o_part.data_ptr<c10::BFloat16>(),
                 out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() + col : nullptr, rows};
-    const uint8_t* w = base + offset;
     const int64_t blocks = (rows + kCols - 1) / kCols;
     switch (type) {
       case kQ4_0: run_format<FQ4_0>(use, xq, m, w, blocks, o); break;

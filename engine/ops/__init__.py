@@ -360,8 +360,9 @@ def q8_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
     return out
 
 
-# kquant_gemm's paths (csrc/cpu/kquant_gemm.cpp): PLAIN C++, AVX2 (maddubs), AVX-512 (maddubs on zmm), VNNI (vpdpbusd).
-KQUANT_AUTO, KQUANT_PLAIN, KQUANT_AVX2, KQUANT_AVX512, KQUANT_VNNI = 0, 1, 2, 3, 5
+# kquant_gemm's paths (csrc/cpu/kquant_gemm.cpp): PLAIN C++, AVX2 (maddubs), AVX-512 (maddubs on zmm), VNNI (vpdpbusd),
+# PANEL (dequantized panels into torch's GEMM; AUTO takes it from a row threshold).
+KQUANT_AUTO, KQUANT_PLAIN, KQUANT_AVX2, KQUANT_AVX512, KQUANT_VNNI, KQUANT_PANEL = 0, 1, 2, 3, 5, 7
 
 
 def kquant_gemm_isa() -> int:

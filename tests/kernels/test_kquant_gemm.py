@@ -1,28 +1,38 @@
 """The GGML block-format GEMM (csrc/cpu/kquant_gemm.cpp) against its pure-torch reference (formats.ref_kquant_gemm:
-x quantized per block as the kernel does, exact integer block sums in float64) on every ISA path this build runs
-(plain C++, AVX2, AVX-512, AVX-512 VNNI; `make test-avx2` runs the AVX2 build's), for each format, odd shapes (N
-not a multiple of the 16-column block, K of 1 to 3 blocks), 1 to 300 rows, float32 and bfloat16, with a bias,
-mixed-format parts (a Q4_K_M qkv, a Q8_0 part among them), and the same bits on one and two threads."""
+x quantized per block in two int8 parts as the kernel does, exact integer block sums in float64) and against the
+float product with llama.cpp's dequantization (fmt.dequantize), on every ISA path this build runs (plain C++, AVX2,
+AVX-512, AVX-512 VNNI, and the dequantized panels a prefill takes; `make test-avx2` runs the AVX2 build's), for each
+format, odd shapes (N not a multiple of the 16-column block, K of 1 to 3 blocks), 1 to 300 rows, float32 and
+bfloat16, with a bias, mixed-format parts (a Q4_K_M qkv, a Q8_0 part among them), and the same bits on one and two
+threads."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from engine import ops
-from engine.model_executor.layers.formats import FORMATS, pack_parts, ref_kquant_gemm
+from engine.model_executor.layers.formats import FORMATS, pack_parts, quantize_activations, ref_kquant_gemm
 from kernels.conftest import torch_threads
 from kernels.test_formats import random_rows
 
 BEST = ops.kquant_gemm_isa()
 pytestmark = pytest.mark.skipif(BEST == 0, reason="no compiled kquant_gemm")
-ISAS = [isa for isa in (ops.KQUANT_PLAIN, ops.KQUANT_AVX2, ops.KQUANT_AVX512, ops.KQUANT_VNNI) if isa <= BEST]
+TILES = [isa for isa in (ops.KQUANT_PLAIN, ops.KQUANT_AVX2, ops.KQUANT_AVX512, ops.KQUANT_VNNI) if isa <= BEST]
+ISAS = TILES + [ops.KQUANT_PANEL]
 KQUANTS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 SCALE = {"Q4_K": 1e-3, "Q5_K": 1e-3, "Q6_K": 1e-4}  # float16 d: weights of order 0.1 to 1
-ROWS = (1, 2, 3, 4, 5, 8, 13, 32, 300)
+ROWS = (1, 2, 3, 4, 5, 7, 8, 13, 33, 300)
+# |out - x @ W^T| of the int8 tiles, over max(|x| @ |W|^T): x's two parts are within 1 / 64516 of each block's
+# largest |x| (measured: at most 1.2e-5 here); one part (1 / 254, llama.cpp's Q8_K / Q8_0 activations) ~1.6e-3.
+TWO_PART_BOUND = 4e-5
 
 
 def _rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
     return random_rows(name, n, k, seed, SCALE.get(name, 0.01))
+
+
+def _float_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the dequantized model's product, float64
+    return x.double() @ w.double().T
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -43,10 +53,41 @@ def test_kquant_gemm_matches_reference(name, isa):
         raw = _rows(name, n, k, seed=n + blocks)
         blob, w = pack_parts([(fmt, raw)]), fmt.dequantize(raw)
         gen = torch.Generator().manual_seed(n)
-        for rows in ROWS if isa != ops.KQUANT_PLAIN or n < 50 else ROWS[:6]:
+        for rows in ROWS if isa != ops.KQUANT_PLAIN or n < 50 else ROWS[:7]:
             x = torch.randn(rows, k, generator=gen)
             out = ops.kquant_gemm(torch.empty(rows, n), x, blob, None, isa)
-            _check(out, ref_kquant_gemm(x, fmt, raw), x, w)
+            # the panels multiply the dequantized weights in float32: the float product is their reference
+            _check(out, _float_ref(x, w) if isa == ops.KQUANT_PANEL else ref_kquant_gemm(x, fmt, raw), x, w)
+
+
+@pytest.mark.parametrize("isa", TILES)
+@pytest.mark.parametrize("name", KQUANTS)
+def test_two_part_activations_track_the_float_product(name, isa):
+    """The tiles' x in two int8 parts stays within TWO_PART_BOUND of the float product with llama.cpp's dequantized
+    weights, a bound x in one part (the kernel before issue 53's fix) misses by far, checked here too."""
+    fmt = FORMATS[name]
+    k = 2 * fmt.block_weights
+    raw = _rows(name, 53, k, seed=11)
+    blob, w = pack_parts([(fmt, raw)]), fmt.dequantize(raw)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, k, generator=gen)
+        bound = (x.double().abs() @ w.double().abs().T).max().item()
+        out = ops.kquant_gemm(torch.empty(rows, 53), x, blob, None, isa)
+        assert (out.double() - _float_ref(x, w)).abs().max().item() <= TWO_PART_BOUND * bound
+        (xh, dx), _ = quantize_activations(x, fmt.block_weights)
+        one_part = (xh.view(rows, -1, fmt.block_weights) * dx.unsqueeze(-1)).view(rows, k)
+        assert (_float_ref(one_part, w) - _float_ref(x, w)).abs().max().item() > 5 * TWO_PART_BOUND * bound
+
+
+def test_auto_takes_the_tiles_for_a_decode_step_and_the_panels_for_a_prefill():
+    fmt = FORMATS["Q4_K"]
+    raw = _rows("Q4_K", 40, 512, 3)
+    blob = pack_parts([(fmt, raw)])
+    for rows, path in ((1, BEST), (300, ops.KQUANT_PANEL)):
+        x = torch.randn(rows, 512)
+        auto = ops.kquant_gemm(torch.empty(rows, 40), x, blob, None)
+        assert torch.equal(auto, ops.kquant_gemm(torch.empty(rows, 40), x, blob, None, path))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -88,7 +129,7 @@ def test_mixed_parts_write_their_columns(isa):
             col += n
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", TILES)  # the panels' bits are oneDNN's, whose sums may split by thread count
 def test_same_bits_on_one_and_two_threads(isa):
     fmt = FORMATS["Q6_K"]
     raw = _rows("Q6_K", 250, 512, 9)  # 16 column blocks, the last partial

@@ -404,34 +404,40 @@ def random_raw(fmt: WeightFormat, n: int, k: int, seed: int = 0, scale: float = 
     return raw.view(n, -1)
 
 
-def quantize_activations(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] per block of s as the kernel quantizes it: (xq float [M, K] of integers in [-127, 127], dx float32
-    [M, K / s]); dx = amax / 127, xq = round-half-even(x * (1 / dx)), 0 for a block of zeros."""
+def quantize_activations(x: torch.Tensor, s: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """x [M, K] per block of s in the kernel's two int8 parts: [(xh, dx), (xl, dx / 254)], xq float [M, K] of integers
+    in [-127, 127] and its scale float32 [M, K / s]; dx = amax / 127, t = x * (1 / dx), xh = round-half-even(t),
+    xl = round-half-even(254 (t - xh)), 0 for a block of zeros; x = dx xh + (dx / 254) xl to 1 / 64516 of amax."""
     m, k = x.shape
     xb = x.float().view(m, k // s, s)
     dx = xb.abs().amax(dim=-1) / 127.0
     inv = torch.where(dx == 0, torch.zeros_like(dx), 1.0 / dx)
-    return torch.round(xb * inv.unsqueeze(-1)).clamp_(-127, 127).view(m, k), dx
+    t = xb * inv.unsqueeze(-1)
+    xh = torch.round(t).clamp_(-127, 127)
+    xl = torch.round((t - xh) * 254.0).clamp_(-127, 127)
+    return [(xh.view(m, k), dx), (xl.view(m, k), dx / 254.0)]
 
 
 def ref_kquant_gemm(x: torch.Tensor, fmt: WeightFormat, raw: torch.Tensor, bias: Optional[torch.Tensor] = None
                     ) -> torch.Tensor:
-    """float64 [M, N] reference of kquant_gemm for one part: x quantized per block (quantize_activations), each
-    block's exact integer sums S1 = sum_j sc_j sum q xq and S2 = sum_j mn_j sum xq, scaled by dx * (D S1 - M S2)."""
+    """float64 [M, N] reference of kquant_gemm's int8 tiles for one part: x in two int8 parts per block
+    (quantize_activations), each block's exact integer sums S1 = sum_j sc_j sum q xq and S2 = sum_j mn_j sum xq,
+    scaled by dx * (D S1 - M S2), the parts' products summed."""
     q, d, mvals, sc, mn = fmt.components(raw)
     n, k = q.shape
     s = fmt.block_weights
-    xq, dx = quantize_activations(x, s)
     m = x.shape[0]
     sub = fmt.sub_weights or s
+    per = s // sub
     qs = q.double().view(n, k // sub, sub)
-    xs = xq.double().view(m, k // sub, sub)
-    dots = torch.einsum("mjc,njc->mnj", xs, qs)  # [M, N, K / sub], exact
-    bsum = xs.sum(-1)  # [M, K / sub]
     scv = torch.ones(n, k // sub, dtype=torch.float64) if sc is None else sc.double()
     mnv = torch.ones(n, k // sub, dtype=torch.float64) if mn is None else mn.double()
-    per = s // sub
-    s1 = (dots * scv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
-    s2 = (bsum.unsqueeze(1) * mnv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
-    out = (dx.double().unsqueeze(1) * (d.double().unsqueeze(0) * s1 - mvals.double().unsqueeze(0) * s2)).sum(-1)
+    out = torch.zeros(m, n, dtype=torch.float64)
+    for xq, dx in quantize_activations(x, s):
+        xs = xq.double().view(m, k // sub, sub)
+        dots = torch.einsum("mjc,njc->mnj", xs, qs)  # [M, N, K / sub], exact
+        bsum = xs.sum(-1)  # [M, K / sub]
+        s1 = (dots * scv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
+        s2 = (bsum.unsqueeze(1) * mnv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
+        out += (dx.double().unsqueeze(1) * (d.double().unsqueeze(0) * s1 - mvals.double().unsqueeze(0) * s2)).sum(-1)
     return out if bias is None else out + bias.double()
