@@ -11,7 +11,8 @@ layer's Attention.forward for one prompt per --prompt-lens (plus, with --cached,
 whose first half is read back from the prefix cache). `quant` times ops.kquant_gemm per --formats on a [2048, 8192]
 and an [8192, 2048] weight at --quant-rows rows (a decode step reads every weight once: GB/s of packed weight
 bytes is the figure; run it again under PAGEDSERVE_CPU_ISA=avx2 for an AVX2 CPU's paths; with OMP_NUM_THREADS=1 it
-times the thread's CPU clock, not the wall clock). Prints tables and writes JSON
+times the thread's CPU clock, not the wall clock). `q8` times ops.q8_gemm per forced path (--q8-paths) and torch's
+float32 linear over --q8-shapes and --q8-rows (GB/s of the weight read, GFLOP/s). Prints tables and writes JSON
 (default benchmarks/results/kernels.json).
 """
 from __future__ import annotations
@@ -140,6 +141,36 @@ def bench_quant(name: str, n: int, k: int, rows: int, args) -> dict:
                 isa=ops.kquant_gemm_isa(), clock=clock)
 
 
+Q8_PATHS = {"float32": None, "avx2": ops.Q8_GEMM_AVX2, "avx512": ops.Q8_GEMM_AVX512,
+            "vnni": ops.Q8_GEMM_VNNI, "panel": ops.Q8_GEMM_PANEL, "auto": ops.Q8_GEMM_AUTO}
+
+
+def bench_q8(n: int, k: int, rows: int, paths: list[str], args) -> list[dict]:
+    """ops.q8_gemm on a random Q8_0 [n, k] weight at rows, per forced path (those this build and CPU have), and
+    torch's float32 linear on the same weight dequantized: ms, GB/s of the weight (packed / float32) and GFLOP/s."""
+    from engine.model_executor.layers.quant import pack_q8, quantize_q8_0
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    packed = pack_q8(*quantize_q8_0(w))
+    x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
+    clock = "thread" if torch.get_num_threads() == 1 else "wall"
+    time_it = (lambda fn: thread_timed(fn, args.min_time)) if clock == "thread" else (
+        lambda fn: timed(fn, torch.device("cpu"), args.min_time))
+    results = []
+    for path in paths:
+        isa = Q8_PATHS[path]
+        if path == "float32":
+            sec, nbytes = time_it(lambda: F.linear(x, w)), w.numel() * 4
+        elif isa in (ops.Q8_GEMM_AUTO, ops.Q8_GEMM_PANEL) or isa <= ops.q8_gemm_isa():
+            sec, nbytes = time_it(lambda: ops.q8_gemm(out, x, packed, None, isa)), packed.numel()
+        else:
+            continue
+        results.append(dict(op="q8", path=path, n=n, k=k, rows=rows, ms=sec * 1e3, gb_s=nbytes / sec / 1e9,
+                            gflop_s=2 * rows * n * k / sec / 1e9, clock=clock))
+    return results
+
+
 def thread_timed(fn, min_time: float) -> float:
     """Least CPU seconds of the calling thread per call over 7 windows of ~min_time / 7 (one thread: the kernel's own
     work, which a shared machine's other processes do not stretch as they stretch the wall clock)."""
@@ -156,9 +187,13 @@ def thread_timed(fn, min_time: float) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="paged", help="comma-separated: paged, silu, prefill, quant")
+    p.add_argument("--ops", default="paged", help="comma-separated: paged, silu, prefill, quant, q8")
     p.add_argument("--formats", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K", help="quant: GGML types")
     p.add_argument("--quant-rows", type=int, nargs="*", default=[1, 8])
+    p.add_argument("--q8-paths", default="avx2,panel,float32",
+                   help=f"q8: q8_gemm paths forced ({', '.join(Q8_PATHS)}; float32: torch's linear)")
+    p.add_argument("--q8-shapes", nargs="*", default=["2048x2048", "2048x8192", "8192x2048"], help="q8: NxK")
+    p.add_argument("--q8-rows", type=int, nargs="*", default=[1, 4, 8, 32, 128, 512])
     p.add_argument("--full", action="store_true", help="batch 1..256 x context 128..4096")
     p.add_argument("--batches", type=int, nargs="*")
     p.add_argument("--contexts", type=int, nargs="*")
@@ -217,6 +252,16 @@ def main() -> None:
                 for m in args.quant_rows:
                     rows.append(r := bench_quant(name, n, k, m, args))
                     print(f"{name:>6} {f'{n}x{k}':>11} {m:>5} {r['ms']:>9.3f} {r['gb_s']:>7.2f}", flush=True)
+    if "q8" in wanted:
+        print(f"{'N x K':>11} {'rows':>5} {'path':>10} {'ms':>9} {'GB/s':>7} {'GFLOP/s':>8}   q8_gemm best path "
+              f"{ops.q8_gemm_isa()}, {torch.get_num_threads()} threads")
+        for shape in args.q8_shapes:
+            n, k = (int(v) for v in shape.split("x"))
+            for m in args.q8_rows:
+                for r in bench_q8(n, k, m, args.q8_paths.split(","), args):
+                    rows.append(r)
+                    print(f"{shape:>11} {m:>5} {r['path']:>10} {r['ms']:>9.3f} {r['gb_s']:>7.2f} {r['gflop_s']:>8.1f}",
+                          flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=device_name(device), backend=backend.value, dtype=args.dtype, num_heads=args.num_heads,

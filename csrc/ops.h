@@ -165,9 +165,9 @@ void q8_gemm(
     const at::Tensor& x,                       // [M, K] float32 or bfloat16, rows contiguous
     const at::Tensor& packed,                  // uint8, engine/model_executor/layers/quant.py q8_numel(N, K) bytes (1-D)
     const c10::optional<at::Tensor>& bias,     // [N] or None
-    int64_t isa);                              // 0: the default (x in float32; VNNI with
-                                               // PAGEDSERVE_Q8_INT8_ACTIVATIONS=1); 2 AVX2, 3 AVX-512 (x in float32),
-                                               // 5 AVX-512 VNNI (x quantized per 32-block)
+    int64_t isa);                              // 0: the default; 2 AVX2 (x in two int8 parts per 32-block,
+                                               // vpmaddwd), 3 AVX-512 (x in float32), 5 AVX-512 VNNI (x in two
+                                               // int8 parts, vpdpbusd), 7 dequantized panels into torch's GEMM
 
 // The best q8_gemm path (the isa codes above), 0 when none.
 int64_t q8_gemm_isa();

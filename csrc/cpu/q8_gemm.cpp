@@ -21,8 +21,28 @@
 //     acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest value,
 //     finer than bfloat16's rounding of x itself: one part alone (llama.cpp's Q8_0 x Q8_0 dot) moved SmolLM2's
 //     greedy outputs off the float product's (204 of 256 tokens).
-//   kAvx2 (AVX2 + FMA): as kAvx512, 8 columns a ymm; each weight byte is widened to float32 in
-//     registers and scaled by its column's d (q + 128 - 128 in one fmsub), then multiplied with x in float32.
+//   kAvx2 (AVX2 + FMA; the default on AVX2 CPUs below kPanelRowsAvx2 rows): x in kVnni's two int8 parts, folded into
+//     one int16 a k, v = 254 xh + xl (|v| <= 32385); each weight byte is made signed (xor 0x80), sign-extended to
+//     int16 and multiplied with v by vpmaddwd (|pair sum| <= 2 * 127 * 32385: a block's int32 sums are exact), then
+//     acc += sum * (d * dx / 254), 4 rows a tile so a decode batch reads each weight once. Not llama.cpp's vpmaddubsw
+//     sign trick (|w| unsigned, sign(x, w) signed): with two parts of x that is sign + maddubs + madd + add per part,
+//     8 ops per 32 products of a row against 4 here (2 madd, 2 add), and one part alone is too coarse (above).
+//     Measured on the 2-vCPU Intel Xeon @ 2.50GHz (family 6 model 85) as an AVX2 build (make test-avx2's env), one
+//     thread, ms per call, against the float-widening tiles this path replaced (x float32, each weight byte widened
+//     and scaled in float: slower at every shape and row count measured, so gone):
+//       [N, K]        rows:   1 (GB/s packed)      8         32             128              512
+//       [2048, 2048]  float   0.61 (7.3)           2.39      9.41           41.1             152
+//                     int     0.39 (11.4)          1.80      6.51           29.7             128
+//                     panel   5.86                 9.51      10.8           28.4             53.5 (80 GFLOP/s)
+//       [2048, 8192]  float   2.93 (6.1)           12.7      43.1           161              615
+//                     int     2.39 (7.5)           9.33      24.8           133              508
+//                     panel   28.7                 25.9      36.3           68.3             208 (82 GFLOP/s)
+//       [8192, 2048]  float   2.71 (6.6)           8.20      31.6           136              596
+//                     int     2.52 (7.1)           5.89      25.0           94.4             392
+//                     panel   24.1                 31.3      36.4           72.0             201 (85 GFLOP/s)
+//     (torch's float32 linear on the dequantized weight: 1.86, 7.10, 7.26 ms at 1 row; the machine was shared, so
+//     figures move by ~20 %.) The integer tiles run 25-45 GFLOP/s; float32 panels overtake them between 48 and 64
+//     rows (48 rows: equal within noise on all three shapes; 64: panels 1.0-1.4x faster): kPanelRowsAvx2.
 //   kPanel (a prefill, a wide decode batch: use_panels): the weights are dequantized a panel of columns at a time
 //     into W^T [K, P] (bfloat16 where the CPU multiplies bfloat16 natively and x and out are bfloat16, float32
 //     otherwise; 4 MiB) and multiplied by torch's GEMM (oneDNN: AMX tiles or AVX-512 BF16 / FMA). At 128 bfloat16
@@ -71,6 +91,7 @@ enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
 constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (beat 1 MiB panels from 128 rows up)
 constexpr int64_t kPanelRowsVnni = 48;    // bfloat16 panels from this many rows on a VNNI CPU (never float32 ones)
 constexpr int64_t kPanelRowsWiden = 32;   // panels from this many rows where the widening tiles serve
+constexpr int64_t kPanelRowsAvx2 = 48;    // float32 panels from this many rows where the AVX2 integer tiles serve
 
 bool cpu_has_vnni() {
 #if defined(__AVX512F__) && defined(__GNUC__)
@@ -112,8 +133,11 @@ at::ScalarType panel_dtype(const at::Tensor& x, const at::Tensor& out) {
 // Whether m rows go through the panels (measured on an AMX Xeon: docs/benchmarks.md, "int8 weights against
 // llama.cpp's Q8_0"). On a VNNI CPU the int8 tiles beat float32 panels at every row count and AMX's bfloat16 panels
 // below kPanelRowsVnni rows (without AMX, oneDNN's bfloat16 GEMM is not measured against them: the tiles serve);
-// the widening tiles lose to either panel from kPanelRowsWiden rows. PAGEDSERVE_Q8_PANEL_ROWS=R moves the threshold
+// the widening tiles lose to either panel from kPanelRowsWiden rows, the AVX2 integer tiles to float32 panels from
+// kPanelRowsAvx2 (header). PAGEDSERVE_Q8_PANEL_ROWS=R moves the threshold
 // to R rows for every dtype (0: never), for measuring.
+Isa best_isa();
+
 bool use_panels(int64_t m, at::ScalarType pt) {
   static const int64_t forced = [] {
     const char* v = std::getenv("PAGEDSERVE_Q8_PANEL_ROWS");
@@ -123,7 +147,7 @@ bool use_panels(int64_t m, at::ScalarType pt) {
   }();
   if (forced >= 0) return m >= forced;
   if (cpu_has_vnni()) return pt == at::kBFloat16 && cpu_has_amx_bf16() && m >= kPanelRowsVnni;
-  return m >= kPanelRowsWiden;
+  return m >= (best_isa() == kAvx2 ? kPanelRowsAvx2 : kPanelRowsWiden);
 }
 
 Isa best_isa() {
@@ -169,7 +193,7 @@ struct Stream {
 
 constexpr float kLowSteps = 254.0f;  // xl's steps per step of xh
 
-// x quantized per 32-block in two parts (the VNNI path): int8 rows of kb * 32 (K padded with zeros) of xh and of xl,
+// x quantized per 32-block in two parts (the VNNI path; the AVX2 path folds them into X16): int8 rows of kb * 32 (K padded with zeros) of xh and of xl,
 // per block its scale dx and 128 * sum(xh), 128 * sum(xl) (what the weights' offset adds to a block's integer sums).
 struct XQuant {
   std::vector<int8_t> q, ql;
@@ -245,7 +269,7 @@ XQuant quantize_x(const at::Tensor& x, int64_t kb) {
   return xq;
 }
 
-// x rows widened to float32 (the AVX2 path), K padded to kb * 32 with zeros.
+// x rows widened to float32 (the AVX-512 widening path), K padded to kb * 32 with zeros.
 std::vector<float> widen_x(const at::Tensor& x, int64_t width) {
   const int64_t m = x.size(0), k = x.size(1);
   std::vector<float> buf(m * width, 0.0f);
@@ -258,6 +282,24 @@ std::vector<float> widen_x(const at::Tensor& x, int64_t width) {
     }
   }
   return buf;
+}
+
+// x per 32-block as one int16 a k, 254 xh + xl (|v| <= 127 * 254 + 127 = 32385: the two parts of quantize_row
+// exactly), and per block dx / 254: the AVX2 integer path's operands.
+struct X16 {
+  std::vector<int16_t> v;
+  std::vector<float> d;
+};
+
+X16 quantize_x16(const at::Tensor& x, int64_t kb) {
+  const XQuant xq = quantize_x(x, kb);
+  X16 x16;
+  x16.v.resize(xq.q.size());
+  x16.d.resize(xq.d.size());
+  for (size_t i = 0; i < xq.q.size(); ++i)
+    x16.v[i] = static_cast<int16_t>(static_cast<int>(kLowSteps) * xq.q[i] + xq.ql[i]);
+  for (size_t i = 0; i < xq.d.size(); ++i) x16.d[i] = xq.d[i] / kLowSteps;
+  return x16;
 }
 
 // ------------------------------------------------------------------ AVX-512 VNNI
@@ -425,38 +467,52 @@ void dequant_panel_avx512(const Stream& st, int64_t b0, int64_t b1, int64_t j0, 
 #pragma GCC pop_options
 #endif  // __AVX512F__
 
-// ------------------------------------------------------------------ AVX2 + FMA (x in float32)
+// ------------------------------------------------------------------ AVX2 + FMA (x in two int8 parts; panels)
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// R rows of one block (two ymm halves of 8 columns): 2R accumulators, the block's scales (d and 128 d) and one
-// widened weight vector at a time (R = 4: 13 ymm).
-template <int R, int B>
-void tile_avx2(const float* x, int64_t xs, int64_t row0, const Stream& st, int64_t b0, const Out& o) {
-  static_assert(B == 1, "the AVX2 tiles hold one block");
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+// The AVX2 default (x in two int8 parts, as one int16 a k: X16): per 64-byte line, each half of 8 columns x 4 k is
+// made signed (xor 0x80), sign-extended to int16 pairs (unpack with itself, shift right 8: columns 0, 1, 4, 5 and
+// 2, 3, 6, 7) and vpmaddwd'ed with the row's 4 k of x (one 64-bit broadcast); |q x| <= 127 * 32385, so a block's
+// int32 sums are exact. At a block's end vphaddd folds each column's two lanes (columns 0..7 in order) and
+// acc += sum * (d * dx / 254). R rows: 4R int32 sums, 2R accumulators.
+template <int R>
+void tile_avx2_int(const X16& xq, int64_t row0, const Stream& st, int64_t b0, const Out& o) {
+  const int64_t kb = st.kb;
   const uint8_t* wb = st.w + b0 * st.w_block;
   const uint16_t* sb = st.s + b0 * st.s_block;
-  const __m256i low = _mm256_set1_epi32(0xff);
-  const float* xr = x + row0 * xs;
-  for (int64_t j = 0; j < st.kb; ++j) {
-    __m256 ds[2], ds128[2];
+  const int16_t* xr[R];
+  const float* dr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = xq.v.data() + (row0 + r) * kb * kQ;
+    dr[r] = xq.d.data() + (row0 + r) * kb;
+  }
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t j = 0; j < kb; ++j) {
+    const uint8_t* blk = wb + j * kBlockBytes;
     for (int h = 0; h < 2; ++h) {
-      ds[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + j * kCols + h * 8)));
-      ds128[h] = _mm256_mul_ps(ds[h], _mm256_set1_ps(128.0f));
-    }
-    for (int g = 0; g < kQ / 4; ++g) {
-      const uint8_t* line = wb + j * kBlockBytes + g * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchAhead * 64), _MM_HINT_T2);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + h * 32));
-        for (int i = 0; i < 4; ++i) {  // byte i of each lane: k = 4g + i of the 8 columns
-          const __m256i u = i == 3 ? _mm256_srli_epi32(v, 24) : _mm256_and_si256(_mm256_srli_epi32(v, 8 * i), low);
-          const __m256 w = _mm256_fmsub_ps(_mm256_cvtepi32_ps(u), ds[h], ds128[h]);  // (q + 128) d - 128 d
-          for (int r = 0; r < R; ++r)
-            acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[r * xs + j * kQ + g * 4 + i]), w, acc[r][h]);
+      __m256i sum[R][2];
+      for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+      for (int g = 0; g < kQ / 4; ++g) {
+        const uint8_t* line = blk + g * 64;
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchAhead * 64), _MM_HINT_T2);
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + h * 32)), flip);
+        const __m256i lo = _mm256_srai_epi16(_mm256_unpacklo_epi8(v, v), 8);
+        const __m256i hi = _mm256_srai_epi16(_mm256_unpackhi_epi8(v, v), 8);
+        for (int r = 0; r < R; ++r) {
+          int64_t four;
+          std::memcpy(&four, xr[r] + j * kQ + g * 4, 8);
+          const __m256i xv = _mm256_set1_epi64x(four);
+          sum[r][0] = _mm256_add_epi32(sum[r][0], _mm256_madd_epi16(lo, xv));
+          sum[r][1] = _mm256_add_epi32(sum[r][1], _mm256_madd_epi16(hi, xv));
         }
+      }
+      const __m256 ds = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + j * kCols + h * 8)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_hadd_epi32(sum[r][0], sum[r][1]));
+        acc[r][h] = _mm256_fmadd_ps(s, _mm256_mul_ps(ds, _mm256_set1_ps(dr[r][j])), acc[r][h]);
       }
     }
   }
@@ -529,10 +585,10 @@ constexpr Table<VnniFn, RMax, BMax> vnni_table(std::integer_sequence<int, I...>)
 }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-using Avx2Fn = void (*)(const float*, int64_t, int64_t, const Stream&, int64_t, const Out&);
+using Avx2IntFn = void (*)(const X16&, int64_t, const Stream&, int64_t, const Out&);
 template <int RMax, int... I>
-constexpr Table<Avx2Fn, RMax, 1> avx2_table(std::integer_sequence<int, I...>) {
-  return {{&tile_avx2<I + 1, 1>...}};
+constexpr Table<Avx2IntFn, RMax, 1> avx2_int_table(std::integer_sequence<int, I...>) {
+  return {{&tile_avx2_int<I + 1>...}};
 }
 #endif
 
@@ -671,11 +727,12 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  {
-    const std::vector<float> xf = widen_x(x, kb * kQ);
-    static constexpr auto table = avx2_table<4>(std::make_integer_sequence<int, 4>{});
+  if (use == kAvx2) {
+    const X16 xq = quantize_x16(x, kb);
+    // 4 rows a tile at every row count (4 int32 sums and 2 accumulators a row; 2 and 3 rows a tile were slower at 8)
+    static constexpr auto table = avx2_int_table<4>(std::make_integer_sequence<int, 4>{});
     over_threads(blocks, min_blocks, [&](int64_t b0, int64_t b1) {
-      run_blocks(table, m, b0, b1, [&](Avx2Fn fn, int64_t r, int64_t b) { fn(xf.data(), kb * kQ, r, st, b, o); });
+      run_blocks(table, m, b0, b1, [&](Avx2IntFn fn, int64_t r, int64_t b) { fn(xq, r, st, b, o); });
     });
     return;
   }

@@ -337,9 +337,10 @@ def _small_gemm_module(isa: int, *tensors: torch.Tensor):
     return module
 
 
-# q8_gemm's paths (csrc/cpu/q8_gemm.cpp): AVX2 and AVX-512 widen the int8 weights to float32 (x in float32), VNNI (the
-# default where the CPU has it) splits x per 32-block into two int8 parts and sums exactly in int32; PANEL dequantizes
-# the weights a panel at a time for torch's GEMM (the default from a few dozen bfloat16 rows: a prefill).
+# q8_gemm's paths (csrc/cpu/q8_gemm.cpp): AVX2 and VNNI (the defaults where the CPU has them) split x per 32-block into
+# two int8 parts and sum exactly in int32 (vpmaddwd, vpdpbusd); AVX-512 without VNNI widens the int8 weights to float32
+# (x in float32); PANEL dequantizes the weights a panel at a time for torch's GEMM (the default from a few dozen rows
+# on AVX2 and AMX CPUs: a prefill).
 Q8_GEMM_AUTO, Q8_GEMM_AVX2, Q8_GEMM_AVX512, Q8_GEMM_VNNI, Q8_GEMM_PANEL = 0, 2, 3, 5, 7
 
 

@@ -1,5 +1,6 @@
 """The int8 GEMM (csrc/cpu/q8_gemm.cpp) equals its pure-torch reference (engine/model_executor/layers/quant.py ref_q8_gemm) on every ISA
-path this CPU runs (AVX2 forced on an AVX-512 machine too), float32 and bfloat16 in and out, odd shapes (N not a
+path this CPU runs (AVX2 forced on an AVX-512 machine too; `make test-avx2` runs them as an AVX2-only
+CPU's build), float32 and bfloat16 in and out, odd shapes (N not a
 multiple of 16, K not of 32), every tile height, with and without bias, strided rows, one and two threads; and
 quantize_q8_0 writes the bytes llama.cpp's gguf-py writes for a Q8_0 tensor."""
 from __future__ import annotations
@@ -19,6 +20,8 @@ BEST = ops.q8_gemm_isa()
 pytestmark = pytest.mark.skipif(BEST == 0, reason="the compiled kernels have no int8 GEMM path on this CPU")
 
 ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST] + [ops.Q8_GEMM_PANEL]
+# The paths that split x per 32-block into two int8 parts and sum exactly in int32 (AVX2: vpmaddwd, VNNI: vpdpbusd).
+TWO_PARTS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_VNNI) if isa <= BEST]
 # (N, K): whole blocks, N and K ragged, N under one block, SmolLM2's and the 1B model's widths.
 SHAPES = [(64, 64), (37, 70), (5, 32), (200, 1000), (1536, 576), (256, 2048)]
 # The panel path multiplies bfloat16 x with bfloat16 panels into bfloat16 rows where the CPU has bfloat16 dot
@@ -30,7 +33,7 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 12, 13, 70, 130)  # one-pass tiles (<= 4), tall til
 def _ref(x, q, d, bias, isa, out_dtype=None):
     out_dtype = out_dtype or x.dtype
     panel_bf16 = isa == ops.Q8_GEMM_PANEL and x.dtype == out_dtype == torch.bfloat16 and BF16_DOT
-    return ref_q8_gemm(x, q, d, bias, quantized_x=isa == ops.Q8_GEMM_VNNI,
+    return ref_q8_gemm(x, q, d, bias, quantized_x=isa in TWO_PARTS,
                        weight_dtype=torch.bfloat16 if panel_bf16 else torch.float32)
 
 
@@ -55,6 +58,19 @@ def test_q8_gemm_matches_reference(isa, dtype, shape):
         for b in (None, bias):
             out = ops.q8_gemm(torch.empty(rows, n, dtype=dtype), x, packed, b, isa)
             _check(out, _ref(x, q, d, b, isa), k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q8_gemm_tall_batches(isa):
+    """A prefill's row counts on every path (the panels' default starts at a few dozen rows; the tiles serve them when
+    forced or where the panels are off): ragged shapes, 129 and 300 rows (3 row chunks, a partial tile)."""
+    for n, k in ((37, 70), (200, 1000)):
+        gen = torch.Generator().manual_seed(n + k)
+        q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
+        packed = pack_q8(q, d)
+        for rows in (129, 300):
+            x = torch.randn(rows, k, generator=gen)
+            _check(ops.q8_gemm(torch.empty(rows, n), x, packed, None, isa), _ref(x, q, d, None, isa), k)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -177,15 +193,17 @@ def test_q8_file_rows_equal_the_packed_rows(dtype):
                                rtol=0, atol=0)
 
 
-def test_q8_gemm_default_tracks_the_float_product():
-    """The default path (two int8 parts of x on a VNNI CPU, x in float32 elsewhere) moves a linear's output on
-    outlier-heavy rows by a small fraction of what rounding x to bfloat16 moves it; one int8 part alone (llama.cpp's
-    Q8_0 x Q8_0 dot), which moved SmolLM2's greedy outputs (csrc/cpu/q8_gemm.cpp), moves it further than bfloat16."""
+@pytest.mark.parametrize("isa", [ops.Q8_GEMM_AUTO] + TWO_PARTS)
+def test_q8_gemm_default_tracks_the_float_product(isa):
+    """The default path (two int8 parts of x on AVX2 and VNNI CPUs, x in float32 on AVX-512 without VNNI), and each
+    two-part path forced, moves a linear's output on outlier-heavy rows by a small fraction of what rounding x to
+    bfloat16 moves it; one int8 part alone (llama.cpp's Q8_0 x Q8_0 dot), which moved SmolLM2's greedy outputs
+    (csrc/cpu/q8_gemm.cpp), moves it further than bfloat16."""
     n, k = 96, 320
     gen = torch.Generator().manual_seed(9)
     q, d = quantize_q8_0(torch.randn(n, k, generator=gen))
     x = torch.randn(3, k, generator=gen) * torch.linspace(0.01, 10, k)  # outlier-heavy rows
-    out = ops.q8_gemm(torch.empty(3, n), x, pack_q8(q, d), None)
+    out = ops.q8_gemm(torch.empty(3, n), x, pack_q8(q, d), None, isa)
     exact = ref_q8_gemm(x, q, d, None)
     err = (out.double() - exact).abs().max().item()
     bf16_err = (ref_q8_gemm(x.bfloat16().float(), q, d, None) - exact).abs().max().item()
