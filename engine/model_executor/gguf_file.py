@@ -20,8 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-ARCHS = ("llama", "qwen2")  # served in any GGML type (engine/model_executor/gguf_native.py)
-Q8_ARCHS = ARCHS + ("qwen3", "gemma3", "phi3", "qwen3moe")  # Q8_0 files (engine/model_executor/gguf_q8.py)
+# served in any GGML type (engine/model_executor/gguf_native.py); only llama permutes q / k rows
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
 _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -212,16 +212,20 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 
 def vector_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """The file's 1-D tensors (norms, biases) as HF-named float tensors, q / k biases un-permuted."""
-    dtypes = FLOAT_TYPES
+    """The file's float tensors the model holds as floats, HF-named: the 1-D ones (norms, biases; q / k biases
+    un-permuted, Gemma's norms shifted back) and a mixture of experts' router (2-D, kept F32 by llama.cpp)."""
     with open(path, "rb") as f:
         for info in infos:
-            name = hf_name(info.name)
-            if name is None or len(info.shape) != 1:
+            name = hf_name(info.name, arch)
+            router = name is not None and name.endswith(".mlp.gate.weight")
+            if name is None or (len(info.shape) != 1 and not router):
                 continue
-            if info.kind not in dtypes:
-                raise ValueError(f"GGUF tensor {info.name} is {info.kind}: a 1-D tensor must be F32, F16 or BF16")
-            t = read_bytes(f, info).view(dtypes[info.kind]).view(info.shape)
+            if info.kind not in FLOAT_TYPES:
+                raise ValueError(f"GGUF tensor {info.name} is {info.kind}: a 1-D tensor or a router must be F32, "
+                                 "F16 or BF16")
+            t = read_bytes(f, info).view(FLOAT_TYPES[info.kind]).view(info.shape)
+            if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's 1 + w
+                t = t.float() - 1.0
             if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # a bias, permuted as its rows
                 heads = hf_config.num_attention_heads if ".q_proj." in name else hf_config.num_key_value_heads
                 t = t[unpermute_rows(t.shape[0], heads)]

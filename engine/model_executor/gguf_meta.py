@@ -151,8 +151,8 @@ def _family_config(path: Path, arch: str, meta: dict[str, Any], names: list[str]
     what llama.cpp's loader reads and transformers' does not: the head size (key_length), the sliding window; for
     Gemma 3 the attention scale (llama.cpp: 1/sqrt(head size), 1/sqrt(hidden / heads) at 27B's 62 layers; the HF
     config's query_pre_attn_scalar, which the file does not hold), the final soft-cap, the local RoPE base and a
-    linear RoPE scaling of the global layers. Not read: Phi-3's longrope factors (tensors rope_factors_long/short:
-    a 128k-context Phi-3 GGUF gets no long-context scaling, as in transformers)."""
+    linear RoPE scaling of the global layers; Phi-3's longrope factors (_longrope: tensors the converter writes,
+    which transformers' GGUF loader does not read)."""
     import importlib
 
     model_type, class_name = _CONFIG_CLASSES[arch]
@@ -193,11 +193,47 @@ def _family_config(path: Path, arch: str, meta: dict[str, Any], names: list[str]
                                      "full_attention": full}
     elif theta is not None:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
+    if arch == "phi3" and "rope_factors_long.weight" in names:
+        fields["rope_parameters"] = _longrope(path, meta, fields, theta)
     module = importlib.import_module(f"transformers.models.{model_type.removesuffix('_text')}.configuration_"
                                      f"{model_type.removesuffix('_text')}")
     config = getattr(module, class_name)(tie_word_embeddings="output.weight" not in names, **fields)
     config.architectures = None
     return config
+
+
+def _longrope(path: Path, meta: dict[str, Any], fields: dict[str, Any], theta) -> dict[str, Any]:
+    """A Phi-3 file's longrope ("su") parameters as its HF config held them: llama.cpp's converter writes the long and
+    short factors as F32 tensors rope_factors_long / rope_factors_short [head_dim / 2] and the attention factor as
+    rope.scaling.attn_factor, which is HF's default for the context lengths (sqrt(1 + ln(s) / ln(original))), so it
+    is passed on only where it differs from that."""
+    import math
+
+    from engine.model_executor.gguf_file import FLOAT_TYPES, header, read_bytes
+
+    _, infos = header(path)
+    factors = {}
+    with open(path, "rb") as f:
+        for info in infos:
+            if info.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+                if info.kind not in FLOAT_TYPES:
+                    raise ValueError(f"{path.name}: {info.name} is {info.kind}, not a float tensor")
+                factors[info.name.split("_")[2].split(".")[0]] = \
+                    read_bytes(f, info).view(FLOAT_TYPES[info.kind]).float().tolist()
+    if set(factors) != {"long", "short"}:
+        raise ValueError(f"{path.name}: rope_factors_long without rope_factors_short")
+    original = fields.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(f"{path.name}: longrope factors without phi3.rope.scaling.original_context_length")
+    params: dict[str, Any] = {"rope_type": "longrope", "rope_theta": float(theta or 10000.0),
+                              "long_factor": factors["long"], "short_factor": factors["short"],
+                              "original_max_position_embeddings": original}
+    scale = fields.get("max_position_embeddings", original) / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    attn = meta.get("phi3.rope.scaling.attn_factor")
+    if attn is not None and abs(float(attn) - default) > 1e-6:
+        params["attention_factor"] = float(attn)
+    return params
 
 
 def _identity(path: Path) -> dict[str, Any]:

@@ -3,11 +3,15 @@ them (a Q4_K_M file: Q4_K for most linears, Q6_K for the head, attn_v and half o
 not a multiple of 256), go to the weight-format registry's kernel without ever becoming floats, so pagedserve
 multiplies the numbers llama.cpp multiplies.
 
-Which files: a Llama-family GGUF (engine/model_executor/gguf_file.py ARCHS) with at least one quantized linear, on
-CPU, one rank (engine/model_executor/loader.py decides; CUDA, tensor parallelism and `--quantization none` still go
-through transformers' dequantization). The fused linears take their parts in their own formats (qkv_proj = q | k |
-v with v Q6_K and q, k Q4_K). A type without a kernel here (Q2_K, Q3_K, IQ*) or a float 2-D weight is dequantized
-a chunk of rows at a time and held as Q8_0, with a warning naming the type: never refused.
+Which files: a GGUF of any family the decoder serves (engine/model_executor/gguf_file.py ARCHS: llama, qwen2, qwen3,
+gemma3, phi3, qwen3moe) with at least one quantized linear, on CPU, one rank (engine/model_executor/loader.py
+decides; CUDA, tensor parallelism and `--quantization none` still go through transformers' dequantization). The
+fused linears take their parts in their own formats (qkv_proj = q | k | v with v Q6_K and q, k Q4_K; Phi-3's file
+holds qkv and gate_up fused, one part each). A type without a kernel here (Q2_K, Q3_K, IQ*) or a float 2-D weight is
+dequantized a chunk of rows at a time and held as Q8_0, with a warning naming the type: never refused. A mixture of
+experts' experts (ffn_*_exps, [E, rows, K]) go to csrc/cpu/moe.cpp, which multiplies Q8_0 only: Q8_0 experts as
+they are, any other type held as Q8_0 the same way. Gemma's norms are stored as 1 + w by llama.cpp's converter:
+shifted back (gguf_file.vector_tensors) and the decoder adds its norm_offset, as for an HF checkpoint.
 
 The linears are read with plain file reads, one tensor at a time, not through a memory map: the registry repacks
 them, and mapped pages once read stay in the process's resident set until the map closes (the whole file at the
@@ -72,36 +76,68 @@ def _requantized(raw: torch.Tensor, info: _Info) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()
-def load_native_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) -> dict[str, int]:
-    """Load a quantized GGUF (is_native_gguf) into `model` (a LlamaForCausalLM whose params are allocated, not
-    loaded): the norms and biases as floats through model.load_weights, every linear as its file blocks
-    (formats.attach_quantized_linear), the token embedding from a map of the file; the float weights released
-    before anything is read. Returns how many linear tensors each type holds (after any fallback)."""
-    arch, infos = header(path)
-    by_hf = {hf_name(i.name): i for i in infos}
+def _expert_blocks(raw: torch.Tensor, info: _Info, dequantized: dict[str, list[str]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' 3-D tensor [E, rows, K] (raw uint8, expert-major) as Q8_0 (q int8 [E * rows, K / 32,
+    32], d float16 [E * rows, K / 32]): a Q8_0 one viewed as it is; another type (csrc/cpu/moe.cpp multiplies Q8_0
+    experts only) dequantized and held as Q8_0, with the warning."""
+    e, n, k = info.shape
+    raw = raw.view(e * n, -1)
+    if info.kind != HELD_AS:
+        dequantized.setdefault(info.kind, []).append(info.name)
+        raw = _requantized(raw, _Info(info.name, info.kind, (e * n, k), info.offset, info.nbytes))
+    blocks = raw.view(e * n, k // 32, 34)
+    return blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1)
+
+
+def _targets(model: nn.Module, arch: str, tied: bool) -> list[tuple[nn.Module, list[str]]]:
+    """Each linear of the model with the HF names of the file tensors that make its rows, in order (Phi-3's
+    qkv_proj and gate_up_proj are one tensor each in the file, as in HF; the others' parts q | k | v, gate | up).
+    A mixture of experts' layer has no MLP linears here (_attach_experts)."""
+    fused = arch == "phi3"
     targets: list[tuple[nn.Module, list[str]]] = []
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        targets += [(attn.qkv_proj, [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]),
-                    (attn.o_proj, [p + "self_attn.o_proj"]), (mlp.gate_up_proj, [p + "mlp.gate_proj", p + "mlp.up_proj"]),
-                    (mlp.down_proj, [p + "mlp.down_proj"])]
-    tied = "lm_head.weight" not in by_hf
+        qkv = [p + "self_attn.qkv_proj"] if fused else [p + f"self_attn.{x}_proj" for x in "qkv"]
+        targets += [(attn.qkv_proj, qkv), (attn.o_proj, [p + "self_attn.o_proj"])]
+        if hasattr(mlp, "gate_up_proj"):
+            gate_up = [p + "mlp.gate_up_proj"] if fused else [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            targets += [(mlp.gate_up_proj, gate_up), (mlp.down_proj, [p + "mlp.down_proj"])]
     targets.append((model.lm_head, ["model.embed_tokens" if tied else "lm_head"]))
-    # The linears' and the embedding's float weights are never read: released before the norms load, so
+    return targets
+
+
+@torch.no_grad()
+def load_native_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) -> dict[str, int]:
+    """Load a quantized GGUF (is_native_gguf) into `model` (the decoder of any family in ARCHS, params allocated, not
+    loaded): the norms, biases and a router as floats through model.load_weights, every linear as its file blocks
+    (formats.attach_quantized_linear), a mixture of experts' experts as Q8_0 (moe.attach_q8_experts), the token
+    embedding from a map of the file; the float weights released before anything is read. Returns how many linear
+    tensors each type holds (after any fallback; experts count as one tensor each of gate, up, down)."""
+    from engine.model_executor.layers.moe import attach_q8_experts
+
+    arch, infos = header(path)
+    by_hf = {hf_name(i.name, arch): i for i in infos}
+    tied = "lm_head.weight" not in by_hf
+    targets = _targets(model, arch, tied)
+    moe = [layer.mlp for layer in model.layers if not hasattr(layer.mlp, "gate_up_proj")]
+    # The linears', experts' and embedding's float weights are never read: released before the norms load, so
     # load_weights expects no rows for them (and the model never holds them).
     for module in [m for m, _ in targets] + [model.embed_tokens]:
         module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    for mlp in moe:
+        mlp.w13 = nn.Parameter(mlp.w13.new_empty(0), requires_grad=False)
+        mlp.w2 = nn.Parameter(mlp.w2.new_empty(0), requires_grad=False)
     model.load_weights(vector_tensors(path, infos, arch, hf_config))
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
     counts: dict[str, int] = {}
     dequantized: dict[str, list[str]] = {}
 
-    def info_of(name: str) -> _Info:
+    def info_of(name: str, dims: int = 2) -> _Info:
         info = by_hf.get(name + ".weight")
-        if info is None or len(info.shape) != 2:
-            raise ValueError(f"{path.name} has no 2-D tensor for {name}.weight")
+        if info is None or len(info.shape) != dims:
+            raise ValueError(f"{path.name} has no {dims}-D tensor for {name}.weight")
         return info
 
     with open(path, "rb") as f:
@@ -126,6 +162,16 @@ def load_native_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype
                                  f"[{module.out_features}, {module.in_features}]")
             formats.attach_quantized_linear(module, [part(n) for n in names])
             _trim_heap()  # each module's transient copies back to the OS: the load's peak stays near the weights
+        for i, layer in enumerate(model.layers):
+            if layer.mlp in moe:
+                experts = []
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    info = info_of(f"model.layers.{i}.mlp.experts.{proj}", 3)
+                    experts.append(_expert_blocks(read_bytes(f, info), info, dequantized))
+                    counts[HELD_AS] = counts.get(HELD_AS, 0) + 1
+                attach_q8_experts(layer.mlp, *experts)
+                del experts
+                _trim_heap()
     emb_info = info_of("model.embed_tokens")
     if tuple(emb_info.shape) != (model.embed_tokens.num_embeddings, model.embed_tokens.embedding_dim):
         raise ValueError(f"{path.name}: token_embd is {emb_info.shape}, the model's embedding "

@@ -296,10 +296,6 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
         from engine.model_executor.gguf_native import load_native_gguf
 
         load_native_gguf(model, model_path, hf_config, dtype)
-    elif quantization == "gguf-q8":  # a Q8_0 file of a family the any-type loader does not map (Qwen3, Gemma 3, MoE)
-        from engine.model_executor.gguf_q8 import load_q8_gguf
-
-        load_q8_gguf(model, model_path, hf_config, dtype)
     elif fmt is LoadFormat.GGUF:
         model.load_weights(_gguf_weights(model_path))
     else:
@@ -309,7 +305,7 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
         from engine.model_executor.layers.quant import quantize_linears
 
         quantize_linears(model)
-    elif quantization not in (None, "gguf", "gguf-q8", "fp8"):
+    elif quantization not in (None, "gguf", "fp8"):
         from engine.model_executor.layers.ggml_linears import quantize_model
 
         quantize_model(model, quantization)
@@ -332,9 +328,8 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
 def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, device: torch.device,
                   tp: Optional[TPGroup]) -> Optional[str]:
     """How the weights are held: None (floats), "gguf" (a quantized GGUF's blocks as they are, every tensor in its own
-    type: engine/model_executor/gguf_native.py), "gguf-q8" (a Q8_0 GGUF of the other families, MoE experts included:
-    engine/model_executor/gguf_q8.py), "int8" / "q4_k" / "q4_0" / ... (a float checkpoint quantized at
-    load to llama.cpp's blocks of that type) or "fp8" (the decoder's linears quantized at load to e4m3). A quantized
+    type, MoE experts as Q8_0: engine/model_executor/gguf_native.py), "int8" / "q4_k" / "q4_0" / ... (a float
+    checkpoint quantized at load to llama.cpp's blocks of that type) or "fp8" (the decoder's linears quantized at load to e4m3). A quantized
     GGUF is served natively on one CPU rank unless --quantization none or fp8 (then dequantized first), or a
     --quantization whose type the file's linears are not (then dequantized and quantized again); ValueError where
     a quantization was asked for and cannot run."""
@@ -355,11 +350,6 @@ def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, devic
 
     single = tp is None or tp.world_size == 1
     native = fmt is LoadFormat.GGUF and device.type == "cpu" and single and is_native_gguf(model_path)
-    if not native and fmt is LoadFormat.GGUF and device.type == "cpu" and single:
-        from engine.model_executor.gguf_q8 import is_q8_gguf
-
-        if is_q8_gguf(model_path) and config.quantization in (None, "int8") and q8_available():
-            return "gguf-q8"
     if config.quantization is None:
         return "gguf" if native else None
     if device.type != "cpu" or not single:

@@ -1,10 +1,12 @@
 """Qwen3, Gemma 3 and Phi-3 from GGUF files (issue 54): a tiny random HF checkpoint written as llama.cpp's converter
 writes it (its metadata keys, its tensor names, Gemma's norms stored as 1 + w, no q/k row permutation: only the
 llama architecture permutes) loads with the HF checkpoint's config (gguf_meta.gguf_config), and its Q8_0 weights,
-served as they are (gguf_q8.py), give the HF model's greedy tokens."""
+served as they are (gguf_native.py), give the HF model's greedy tokens."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config, Qwe
 
 from engine.model_executor.gguf_meta import gguf_config
 from engine.model_executor.gguf_file import hf_name
-from engine.model_executor.gguf_q8 import is_q8_gguf
+from engine.model_executor.gguf_native import is_native_gguf
+from engine.model_executor.layers import formats
+from engine.model_executor.layers.ggml_quantize import quantize_rows
 from engine.model_executor.models.llama_args import ModelArgs, layer_ropes, sliding_windows
 from engine.model_executor.models.rope import rope_inv_freq
 
@@ -31,6 +35,14 @@ CONFIGS = {
                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                         "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
     "phi3": lambda: Phi3Config(**TINY, sliding_window=8, tie_word_embeddings=False),
+    # longrope (Phi-3.5's "su"): the converter writes the factors as tensors rope_factors_long / _short; a context of
+    # 512 over an original 32 makes the long ones and HF's attention factor apply to the prompts past 32 tokens
+    "phi3-longrope": lambda: Phi3Config(**TINY, sliding_window=8, tie_word_embeddings=False,
+                                        original_max_position_embeddings=32,
+                                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 32,
+                                                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                         "long_factor": [1.0 + 0.7 * i for i in range(8)]}),
 }
 # HF name -> GGUF name part, as gguf-py's tensor map has them (llama.cpp's convert_hf_to_gguf.py writes these)
 _PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -51,9 +63,11 @@ def _gguf_name(name: str, arch: str) -> str:
     return f"blk.{layer}.{_ARCH_PARTS[arch].get(part) or _PARTS[part]}.{suffix}"
 
 
-def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = True) -> Path:
+def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = True,
+                      kinds: Optional[Callable[[str, tuple], str]] = None) -> Path:
     """The metadata keys llama.cpp's converter writes for this family (conversion/qwen.py, gemma.py, phi.py), the
-    default model's tokenizer (its GGUF's tokenizer.* keys), and the weights (2-D ones Q8_0 when q8)."""
+    default model's tokenizer (its GGUF's tokenizer.* keys), and the weights (2-D ones Q8_0 when q8; of the type
+    kinds(GGUF name, shape) names when given, made by the engine's quantizer: llama.cpp's quantize_row_*_ref)."""
     import gguf
 
     from engine.model_executor.loader import default_gguf_path
@@ -85,6 +99,11 @@ def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = T
         w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
         w.add_sliding_window(c.sliding_window or 0)
+        if rope.get("long_factor"):  # conversion/phi.py generate_extra_tensors
+            orig = c.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(c.max_position_embeddings / orig) / math.log(orig)))
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     reader = gguf.GGUFReader(str(default_gguf_path()))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.") and not key.endswith("_token_id"):
@@ -100,7 +119,11 @@ def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = T
         if arch == "gemma3" and name.endswith("norm.weight"):
             t = t + 1.0  # Gemma3Model.modify_tensors: the file holds 1 + w
         data = t.numpy()
-        if q8 and data.ndim == 2:
+        if kinds is not None and data.ndim == 2:
+            kind = kinds(_gguf_name(name, arch), tuple(data.shape))
+            w.add_tensor(_gguf_name(name, arch), quantize_rows(t, kind).numpy(),
+                         raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif q8 and data.ndim == 2:
             w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -140,7 +163,7 @@ def test_config_from_gguf_metadata_is_the_checkpoints(name, tmp_path):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tensor_names_map_back_to_the_checkpoints(name, tmp_path):
     model = _hf_model(name)
-    arch = {"qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}[name]
+    arch = name.split("-")[0]
     for hf in model.state_dict():
         assert hf_name(_gguf_name(hf, arch), arch) == hf
 
@@ -157,12 +180,14 @@ def test_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
     model = _hf_model(name)
     state = model.state_dict()
     path = write_family_gguf(model.config, state, tmp_path / f"{name}.gguf")
-    assert is_q8_gguf(path)
+    assert is_native_gguf(path)
     for n, t in state.items():  # the reference: HF on the Q8_0-rounded weights
         if t.dim() == 2:
             q = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0)
             t.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)))
     prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
+    if "longrope" in name:  # past original_max_position_embeddings (32): HF's long factors from the first token
+        prompts = [list(range(100, 140)), [9, 8, 7] * 12]
     want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16,
@@ -173,3 +198,81 @@ def test_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+# The same families at shapes whose rows are whole 256-weight super-blocks, written as a llama.cpp K-quant mix
+KQ = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+KQ_CONFIGS = {
+    "qwen3": lambda: Qwen3Config(**{**TINY, **KQ}, head_dim=64, tie_word_embeddings=False),
+    "gemma3": lambda: Gemma3TextConfig(**{**TINY, **KQ}, head_dim=64, query_pre_attn_scalar=64, sliding_window=8,
+                                       final_logit_softcapping=30.0),
+    "phi3": lambda: Phi3Config(**{**TINY, **KQ}, sliding_window=8, tie_word_embeddings=False),
+}
+
+
+TIE = 0.5  # logits: how far below HF's top a token of ours may be (a near-tie the int8 activations flip)
+
+
+def k_quant_mix(name: str, shape: tuple) -> str:
+    """A Q4_K_M-like mix (llama-quant.cpp: Q6_K for the head and attn_v) plus the 32-weight types: layer 0's
+    ffn_down Q5_0, layer 1's attn_output Q4_0, the token embedding Q8_0 (the tied head of Gemma reads it)."""
+    if name == "token_embd.weight":
+        return "Q8_0"
+    if name == "blk.0.ffn_down.weight":
+        return "Q5_0"
+    if name == "blk.1.attn_output.weight":
+        return "Q4_0"
+    return "Q6_K" if name == "output.weight" or ".attn_v." in name else "Q4_K"
+
+
+@pytest.mark.parametrize("name", list(KQ_CONFIGS))
+def test_k_quant_gguf_is_served_as_its_blocks(name, tmp_path):
+    """Each family's K-quant mix is served natively: every linear holds the file's blocks in the file's types
+    (formats.format_of), and its greedy tokens are HF's on the same file dequantized (formats' dequantize of the same
+    blocks): each token HF's top one, teacher-forced on our tokens, up to TIE logits.
+    (The kernels round the activations to int8 per block, as llama.cpp does: ~0.5 % of a logit's size here, so a
+    near-tie of this random model, 0.18 at Qwen3's second prompt's first token, flips and every later token differs; a
+    wrong weight, norm or row order puts our tokens tens of logits below HF's top.) The head is scaled up so the
+    logits spread over ~+-30 (the plain random model's are nearly flat)."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(KQ_CONFIGS[name](), dtype=torch.float32).eval()
+    for n, p in model.named_parameters():
+        if n.endswith("norm.weight"):
+            p.data.normal_(0.0 if name == "gemma3" else 1.0, 0.1)
+    model.lm_head.weight.data.mul_(20.0)  # (Gemma: tied, so the embedding too; its soft-cap bounds the logits)
+    state = model.state_dict()
+    path = write_family_gguf(model.config, state, tmp_path / f"{name}-kq.gguf", kinds=k_quant_mix)
+    assert is_native_gguf(path)
+    arch = name
+    for n, t in state.items():  # the reference: HF on the file's blocks dequantized
+        if t.dim() == 2 and not (n == "lm_head.weight" and model.config.tie_word_embeddings):
+            fmt = formats.get_format(k_quant_mix(_gguf_name(n, arch), tuple(t.shape)))
+            t.copy_(fmt.dequantize(quantize_rows(t, fmt.name))[:, :t.shape[1]])
+    prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
+    want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16, dtype="float32")
+    try:
+        decoder = llm.engine.model_runner.model
+        layer = decoder.layers[1]
+        held = {"qkv": formats.format_of(layer.self_attn.qkv_proj), "o": formats.format_of(layer.self_attn.o_proj),
+                "gate_up": formats.format_of(layer.mlp.gate_up_proj), "head": formats.format_of(decoder.lm_head),
+                "down0": formats.format_of(decoder.layers[0].mlp.down_proj)}
+        outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                            sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    names = {k: [f.name for f, _ in v] for k, v in held.items()}
+    assert names == {"qkv": ["Q4_K"] if name == "phi3" else ["Q4_K", "Q4_K", "Q6_K"], "o": ["Q4_0"],
+                     "gate_up": ["Q4_K"] if name == "phi3" else ["Q4_K", "Q4_K"],
+                     "head": ["Q8_0" if name == "gemma3" else "Q6_K"], "down0": ["Q5_0"]}
+    ours = [list(o.outputs[0].token_ids) for o in outs]
+    assert sum(a == b for o, w in zip(ours, want) for a, b in zip(o, w)) >= 8  # (not a run of near-ties)
+    with torch.no_grad():
+        for p, o in zip(prompts, ours):
+            logits = model(torch.tensor([p + o])).logits[0, len(p) - 1:-1]  # [8, vocab]: the rows that chose o
+            below = logits.max(-1).values - logits[torch.arange(len(o)), torch.tensor(o)]
+            assert (below <= TIE).all(), (name, p, o, below.tolist())

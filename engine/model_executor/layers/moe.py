@@ -145,7 +145,7 @@ def attach_q8_experts(layer: MoEMLP, gate: tuple[torch.Tensor, torch.Tensor], up
                       down: tuple[torch.Tensor, torch.Tensor]) -> None:
     """A GGUF's Q8_0 experts (llama.cpp's ffn_gate_exps / ffn_up_exps / ffn_down_exps: each (q int8 [E * rows, KB,
     32], d float16 [E * rows, KB]), expert-major) packed as they are, not dequantized, into the layer's stacked
-    Q8_0 form; the router packed as pack_experts does (engine/model_executor/gguf_q8.py)."""
+    Q8_0 form; the router packed as pack_experts does (engine/model_executor/gguf_native.py)."""
     from engine.model_executor.layers import cpu_linear
     from engine.model_executor.layers.quant import pack_q8, q8_numel
 
