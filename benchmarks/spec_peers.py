@@ -7,8 +7,10 @@ to the four in turn (so a shared machine's load falls on all alike), one request
 server: output tokens / wall seconds summed over the tasks (prefill included, as spec_decode.py counts it), and
 the speedup of each server's speculation over its own plain decoding and over llama.cpp's.
 
-    .venv/bin/python benchmarks/spec_peers.py --gguf ~/.cache/pagedserve/llama.cpp-0.3.36/model-bf16.gguf \
-        --llama-server ~/.cache/pagedserve/llama.cpp-0.3.36/build/bin/llama-server --json benchmarks/results/spec_peers.json
+    .venv/bin/python benchmarks/spec_peers.py --gguf $LLAMA/model-bf16.gguf \
+        --llama-server $LLAMA/build/bin/llama-server --json benchmarks/results/spec_peers.json
+
+($LLAMA: the llama.cpp build and GGUFs benchmarks/peers.sh makes.)
 
 llama.cpp's n-gram modes (`--spec-type`): ngram-simple with its defaults (lookup n-gram 12, draft 48) and one
 tuned to prompt lookup as pagedserve does it (`--llama-ngram "ngram-simple --spec-ngram-simple-size-n 3
