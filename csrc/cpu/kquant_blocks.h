@@ -22,6 +22,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include "cpu_features.h"
+
 namespace pagedserve {
 namespace cpu {
 namespace kquant {
@@ -55,25 +57,6 @@ using FQ5_1 = Fmt<5, 32, 0, true, 0, false>;
 using FQ4_K = Fmt<4, 256, 32, true, 0, true>;
 using FQ5_K = Fmt<5, 256, 32, true, 0, true>;
 using FQ6_K = Fmt<6, 256, 16, false, 32, false>;
-
-inline bool cpu_has_vnni() {
-#if defined(__AVX512F__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  return has;
-#else
-  return false;
-#endif
-}
-
-// oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX): there a bfloat16 x meets a bfloat16 panel.
-inline bool cpu_has_bf16_dot() {
-#if defined(__AVX512F__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
-}
 
 inline float half_at(const uint8_t* p, int i) {
   uint16_t h;

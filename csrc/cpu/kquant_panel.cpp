@@ -147,17 +147,7 @@ void run_panels(Isa isa, at::Tensor& out, const at::Tensor& x, const uint8_t* w,
     at::Tensor wt = scratch.narrow(0, 0, k * ld).view({k, ld}).narrow(1, 0, cols);
     if (pt != at::kFloat) wt = wt.to(pt);
     at::Tensor o = out.narrow(1, c0, cols);
-    if (out.scalar_type() == pt) {
-      if (bias.defined()) {
-        at::addmm_out(o, bias.narrow(0, c0, cols).to(pt), xin, wt);
-      } else {
-        at::mm_out(o, xin, wt);
-      }
-    } else {
-      at::Tensor t = at::mm(xin, wt);
-      if (bias.defined()) t.add_(bias.narrow(0, c0, cols));
-      o.copy_(t);
-    }
+    panel_mm(o, xin, wt, bias.defined() ? bias.narrow(0, c0, cols) : bias, out.scalar_type() == pt);
   }
 }
 

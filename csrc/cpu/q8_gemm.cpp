@@ -71,6 +71,7 @@
 #include <c10/util/Exception.h>
 
 #include "../ops.h"
+#include "cpu_features.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -92,26 +93,6 @@ constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (beat 
 constexpr int64_t kPanelRowsVnni = 48;    // bfloat16 panels from this many rows on a VNNI CPU (never float32 ones)
 constexpr int64_t kPanelRowsWiden = 32;   // panels from this many rows where the widening tiles serve
 constexpr int64_t kPanelRowsAvx2 = 48;    // float32 panels from this many rows where the AVX2 integer tiles serve
-
-bool cpu_has_vnni() {
-#if defined(__AVX512F__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  return has;
-#else
-  return false;
-#endif
-}
-
-// oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX): a bfloat16 x meets a bfloat16 panel; elsewhere the
-// panel is float32 (oneDNN's bfloat16 GEMM without these instructions converts every tile first).
-bool cpu_has_bf16_dot() {
-#if defined(__AVX512F__) && defined(__GNUC__)
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
-}
 
 // AMX tiles for bfloat16 (Sapphire Rapids on): where oneDNN's bfloat16 GEMM outruns the int8 tiles by far.
 bool cpu_has_amx_bf16() {
@@ -649,17 +630,7 @@ void gemm_panels(at::Tensor& out, const at::Tensor& x, const Stream& st, int64_t
     });
     const at::Tensor wt = scratch.narrow(0, 0, k * ld).view({k, ld}).narrow(1, 0, cols);
     at::Tensor o = out.narrow(1, c0, cols);
-    if (direct) {
-      if (bias.defined()) {
-        at::addmm_out(o, bias.narrow(0, c0, cols), xin, wt);
-      } else {
-        at::mm_out(o, xin, wt);
-      }
-    } else {
-      at::Tensor t = at::mm(xin, wt);
-      if (bias.defined()) t.add_(bias.narrow(0, c0, cols));
-      o.copy_(t);
-    }
+    panel_mm(o, xin, wt, bias.defined() ? bias.narrow(0, c0, cols) : bias, direct);
   }
 }
 

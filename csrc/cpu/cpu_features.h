@@ -1,0 +1,48 @@
+// What the CPU multiplies natively, asked once, and the GEMM step the dequantized-panel paths share (q8_gemm.cpp,
+// kquant_panel.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace pagedserve {
+namespace cpu {
+
+// AVX-512 VNNI (vpdpbusd) with AVX-512 BW: the int8 tiles' fastest path.
+inline bool cpu_has_vnni() {
+#if defined(__AVX512F__) && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// oneDNN multiplies bfloat16 natively (AVX-512 BF16, AMX): a bfloat16 x meets a bfloat16 panel; elsewhere the
+// panel is float32 (oneDNN's bfloat16 GEMM without these instructions converts every tile first).
+inline bool cpu_has_bf16_dot() {
+#if defined(__AVX512F__) && defined(__GNUC__)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// o = xin @ wt (+ bias), o a column slice of the output: straight into o where it has the panel's dtype (direct),
+// else through a temporary of the panel's dtype and one copy.
+inline void panel_mm(at::Tensor& o, const at::Tensor& xin, const at::Tensor& wt, const at::Tensor& bias, bool direct) {
+  if (direct) {
+    if (bias.defined()) {
+      at::addmm_out(o, bias.to(wt.scalar_type()), xin, wt);
+    } else {
+      at::mm_out(o, xin, wt);
+    }
+  } else {
+    at::Tensor t = at::mm(xin, wt);
+    if (bias.defined()) t.add_(bias);
+    o.copy_(t);
+  }
+}
+
+}  // namespace cpu
+}  // namespace pagedserve
