@@ -1,12 +1,13 @@
 """Speculative decoding benchmark (issue 56): tokens/s with and without --speculative-config, in-process.
 
-Two workloads, each run with and without speculation on two engines loaded side by side, alternating request by
-request (A, B, A, B, ...) so that a shared machine's load falls on both alike:
+Two workloads, each run with and without speculation on two engines loaded side by side, alternating (A, B, B, A,
+...: a request at a time at C=1, a round of 2 x C requests in a closed loop at C) so that a shared machine's load
+falls on both alike:
 
 - input-grounded (benchmarks/data/spec_decode_tasks.json: rewrite, fix, summarise a text or code of 300-800
   tokens, SmolLM2's chat template, greedy, --max-tokens 256): one request at a time (C=1);
 - free prose: benchmarks/serving.py's random-token prompts (its make_requests, seed 0), closed loop at each
-  --prose-concurrency, the same prompts both ways.
+  --prose-concurrency (8 x C requests by default), the same prompts both ways.
 
 Greedy outputs must be identical with and without speculation (checked on every request; a difference is
 reported and fails the run).
@@ -61,14 +62,15 @@ def run(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[flo
     return seconds, sum(len(r) for r in results), results
 
 
-def compare(name: str, engines, prompts, params, concurrency: int, rows: list[dict], per_request: bool) -> bool:
-    """Both engines on the same prompts (per_request: alternating one prompt at a time); appends a result row."""
+def compare(name: str, engines, prompts, params, concurrency: int, rows: list[dict], group_size: int) -> bool:
+    """Both engines on the same prompts, alternating a group of group_size prompts at a time (which engine goes
+    first alternating too, so a drift of the machine's load falls on both alike); appends a result row."""
     totals = {key: [0.0, 0] for key in ("plain", "spec")}
     same = True
-    groups = [[p] for p in prompts] if per_request else [prompts]
-    for group in groups:
+    groups = [prompts[i:i + group_size] for i in range(0, len(prompts), group_size)]
+    for g, group in enumerate(groups):
         outs = {}
-        for key in ("plain", "spec"):
+        for key in ("plain", "spec") if g % 2 == 0 else ("spec", "plain"):
             seconds, tokens, outs[key] = run(engines[key].engine, group, params, concurrency)
             totals[key][0] += seconds
             totals[key][1] += tokens
@@ -93,7 +95,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--tasks", type=int, default=6, help="how many of the input-grounded tasks")
     p.add_argument("--prose-concurrency", default="1,8,32")
-    p.add_argument("--prose-prompts", type=int, default=0, help="requests per concurrency (default: 2 x C, >= 4)")
+    p.add_argument("--prose-prompts", type=int, default=0, help="requests per concurrency (default: 8 x C, >= 8; in rounds of 2 x C, >= 4)")
     p.add_argument("--prose-output-len", type=int, default=128)
     p.add_argument("--skip-prose", action="store_true")
     p.add_argument("--skip-grounded", action="store_true")
@@ -118,15 +120,15 @@ def main() -> int:
         texts = [tok.apply_chat_template([{"role": "user", "content": f"{t['instruction']}\n\n{t['text']}"}],
                                          add_generation_prompt=True, tokenize=False) for t in tasks]
         prompts = [tok(text, add_special_tokens=False).input_ids for text in texts]
-        ok &= compare("input-grounded", engines, prompts, greedy, 1, rows, per_request=True)
+        ok &= compare("input-grounded", engines, prompts, greedy, 1, rows, group_size=1)
     if not args.skip_prose:
         prose = SamplingParams(temperature=0, max_tokens=args.prose_output_len, ignore_eos=True, final_only=True)
         for c in [int(x) for x in args.prose_concurrency.split(",")]:
-            n = args.prose_prompts or max(4, 2 * c)
+            n = args.prose_prompts or max(8, 8 * c)
             ns = argparse.Namespace(num_prompts=n, input_len=128, output_len=args.prose_output_len, input_len_range=0.0,
                                     output_len_range=0.0, prompt_kind="tokens", token_id_low=1000, token_id_high=10000)
             prompts = [list(prompt) for prompt, _, _ in make_requests(ns, random.Random(0))]
-            ok &= compare("free-prose", engines, prompts, prose, c, rows, per_request=False)
+            ok &= compare("free-prose", engines, prompts, prose, c, rows, group_size=max(4, 2 * c))
     report = {"cpu": cpu_name(), "spec": json.loads(args.spec), "dtype": args.dtype, "rows": rows}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from engine.sample.sampler import Sample, _simple_group
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramIndex, ngram_propose
-from engine.spec_decode.policy import Acceptance, StepCost, choose
+from engine.spec_decode.policy import Acceptance, Overhead, StepCost, choose
 
 GC_EVERY = 256  # steps between sweeps of the records of sequences no longer scheduled
 
@@ -44,12 +44,15 @@ class SpecDecoder:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.draft = draft  # engine/spec_decode/draft.py DraftProposer, for method "draft_model"
-        self.cost = StepCost()
+        self.cost = StepCost()  # plain decode-only steps
+        self.overhead = Overhead()  # what a speculating step costs beyond its rows
         self.records: dict[int, Acceptance] = {}
         self.steps = 0
         # vLLM's counters: sequences that speculated (a step each), tokens proposed, tokens accepted.
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self._rows: Optional[int] = None  # this step's rows, for the cost model (None: not a decode-only step)
+        self._speculated = False  # this step verifies proposals
+        self._pending: Optional[tuple[int, float]] = None  # the last step's (rows, seconds) when it speculated
         # Tests: every sequence with a proposal speculates, whatever the cost model says (the verification path
         # runs on whatever machine the suite does).
         self.always = False
@@ -66,6 +69,7 @@ class SpecDecoder:
         prefill_tokens = sum(sg.num_tokens for sg in out.scheduled if sg.is_prefill)
         rows = out.num_batched_tokens
         self._rows = rows if not prefill_tokens else None
+        self._speculated = False
         candidates: list[tuple[float, int, Sequence, Acceptance]] = []  # (alpha, most proposals, ...)
         for sg in out.scheduled:
             group = sg.group
@@ -82,11 +86,13 @@ class SpecDecoder:
         # Who could pay at best (each with all its proposals): only they propose. A compute-bound batch stops
         # here, before any lookup or draft forward is spent on it.
         candidates.sort(key=lambda c: -c[0])
-        count = len(candidates) if self.always else choose(rows, [(a, k) for a, k, _, _ in candidates], self.cost)
+        count = len(candidates) if self.always else choose(rows, [(a, k) for a, k, _, _ in candidates], self.cost,
+                                                                     self.overhead.seconds())
         for _, _, _, record in candidates[count:]:
             record.idle()
         chosen = candidates[:count]
         if not chosen:
+            self.overhead.idle()
             return False
         if self.draft is not None:  # the draft model proposes for all of them at once, one batch a position
             proposals = self.draft.propose([(seq, k) for _, k, seq, _ in chosen])
@@ -94,7 +100,8 @@ class SpecDecoder:
             proposals = [self._ngram(seq, record, k) for _, k, seq, record in chosen]
         # With the proposals' real lengths (a lookup may find fewer than k, or none), choose again.
         found = [(a, len(p), seq, record, p) for (a, _, seq, record), p in zip(chosen, proposals) if p]
-        count = len(found) if self.always else choose(rows, [(a, k) for a, k, *_ in found], self.cost)
+        count = len(found) if self.always else choose(rows, [(a, k) for a, k, *_ in found], self.cost,
+                                                                 self.overhead.seconds())
         for _, _, _, record, _ in found[count:]:
             record.idle()
         chosen = [(a, k, seq, None, record, p) for a, k, seq, record, p in found[:count]]
@@ -115,6 +122,7 @@ class SpecDecoder:
         out.steady, out.steady_grown = None, []
         if self._rows is not None:
             self._rows += sum(len(p) for p in out.drafts.values())
+        self._speculated = True
         return True
 
     def _ngram(self, seq: Sequence, record: Acceptance, k: int) -> list[int]:
@@ -142,10 +150,27 @@ class SpecDecoder:
     # -- the step ---------------------------------------------------------------------
 
     def end_step(self, seconds: float) -> None:
-        """The step's wall time, for the cost model (decode-only steps; plan() ran in it)."""
-        if self._rows is not None:
-            self.cost.observe(self._rows, seconds)
-        self._rows = None
+        """The step's wall time, for the cost model (decode-only steps; plan() ran in it): a plain step's goes to
+        the line, a speculating step's excess over the line to the overhead, with what the plain step after it
+        took beyond the line (it rebuilds the steady decode)."""
+        rows, self._rows = self._rows, None
+        speculated, self._speculated = self._speculated, False
+        if self._pending is not None:
+            spec_rows, spec_seconds = self._pending
+            self._pending = None
+            spec_plain = self.cost.seconds(spec_rows)
+            after = self.cost.seconds(rows) if rows is not None and not speculated else None
+            if spec_plain is not None:
+                excess = spec_seconds - spec_plain + (max(seconds - after, 0.0) if after is not None else 0.0)
+                self.overhead.observe(excess, spec_plain)
+            if after is not None:
+                return  # (not a plain step's sample: it paid for the one before)
+        if rows is None:
+            return
+        if speculated:
+            self._pending = (rows, seconds)
+        else:
+            self.cost.observe(rows, seconds)
 
     def run(self, engine, out: SchedulerOutput, outputs: list) -> list:
         """The rest of a speculative step (LLMEngine._step's general path, k + 1 positions for some rows)."""

@@ -8,6 +8,12 @@ cost differently), and speculates with the sequences whose expected accepted tok
     (R + sum E_i) / T(R + sum k_i)  >  R / T(R)        (tokens per second, with and without)
 
 E_i = alpha + alpha^2 + ... + alpha^k_i for a sequence accepting each proposed token with probability alpha.
+
+A step that verifies proposals costs more than its rows say: it takes the general path (every row's logits, the
+per-group sampler and output processing, no steady decode), and the step after it rebuilds the steady decode. That
+excess over the plain line is measured too (Overhead) and added to T(R + sum k_i). Like a sequence's acceptance it
+drifts back to nothing while the engine does not speculate, so a cold first step (new shapes) or a busy spell
+does not switch speculation off for good.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ DECAY = 0.99  # per observed step: the fit follows a change of load within a few
 PRIOR_ALPHA = 0.6
 PRIOR_TRIALS = 2.0
 IDLE_DECAY = 0.95
+# A speculating step's measured excess counts at most this many plain steps (a cold first step compiles shapes).
+MAX_EXCESS_STEPS = 2.0
 MARGIN = 1.03  # the gain speculation must promise: timing noise on shared cores, and Python a row costs
 
 
@@ -54,13 +62,37 @@ class StepCost:
         a = max(my - b * mx, 1e-6)
         return a, b
 
-    def ratio(self, rows: int, extra: int) -> float:
-        """T(rows + extra) / T(rows)."""
+    def seconds(self, rows: int) -> Optional[float]:
+        line = self.line()
+        return None if line is None else line[0] + line[1] * rows
+
+    def ratio(self, rows: int, extra: int, overhead: float = 0.0) -> float:
+        """(T(rows + extra) + overhead seconds) / T(rows)."""
         line = self.line()
         if line is None:
             return 1.0 + extra / (rows + PRIOR_ROWS)
         a, b = line
-        return (a + b * (rows + extra)) / (a + b * rows)
+        return (a + b * (rows + extra) + overhead) / (a + b * rows)
+
+
+class Overhead:
+    """The seconds a speculating step (with the plain step after it) took beyond the plain line at its rows: a
+    decaying mean over PRIOR_TRIALS pseudo-steps of none, forgotten by IDLE_DECAY a step while none speculates."""
+
+    def __init__(self) -> None:
+        self.total = self.steps = 0.0
+
+    def seconds(self) -> float:
+        return self.total / (self.steps + PRIOR_TRIALS)
+
+    def observe(self, excess: float, plain: float) -> None:
+        # (negative: the rows cost less than the line extrapolated to them)
+        self.total = DECAY * self.total + min(max(excess, -plain), MAX_EXCESS_STEPS * plain)
+        self.steps = DECAY * self.steps + 1.0
+
+    def idle(self) -> None:
+        self.total *= IDLE_DECAY
+        self.steps *= IDLE_DECAY
 
 
 class Acceptance:
@@ -90,15 +122,15 @@ def expected_accepted(alpha: float, k: int) -> float:
     return alpha * (1.0 - alpha ** k) / (1.0 - alpha) if alpha < 1.0 else float(k)
 
 
-def choose(rows: int, candidates: list[tuple[float, int]], cost: StepCost) -> int:
+def choose(rows: int, candidates: list[tuple[float, int]], cost: StepCost, overhead: float = 0.0) -> int:
     """How many of the candidates (alpha, k), best alpha first, speculate: the count with the best tokens per
-    second, 0 when none beats not speculating by MARGIN."""
+    second, 0 when none beats not speculating by MARGIN. overhead: a speculating step's seconds beyond its rows'."""
     best, best_gain = 0, MARGIN
     tokens, extra = float(rows), 0
     for count, (alpha, k) in enumerate(candidates, 1):
         tokens += expected_accepted(alpha, k)
         extra += k
-        gain = (tokens / rows) / cost.ratio(rows, extra)
+        gain = (tokens / rows) / cost.ratio(rows, extra, overhead)
         if gain > best_gain:
             best, best_gain = count, gain
     return best

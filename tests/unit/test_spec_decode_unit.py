@@ -7,7 +7,7 @@ from engine.core.block_manager import BlockSpaceManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.spec_decode.ngram import NgramIndex, ngram_propose
-from engine.spec_decode.policy import Acceptance, StepCost, choose, expected_accepted
+from engine.spec_decode.policy import Acceptance, Overhead, StepCost, choose, expected_accepted
 
 
 def test_ngram_takes_the_latest_longest_match():
@@ -39,6 +39,26 @@ def test_choose_speculates_while_rows_are_cheap():
     assert choose(32, [good] * 32, compute_bound) == 0
     assert choose(4, [good, good, poor, poor], memory_bound) == 2
     assert abs(expected_accepted(0.5, 3) - 0.875) < 1e-9 and expected_accepted(1.0, 3) == 3
+
+
+def test_a_speculating_steps_overhead_stops_it_where_it_does_not_pay_and_fades_while_idle():
+    """Eight rows of a memory-bound 20 ms step: one sequence's 3.4 expected tokens pay for four rows by the line,
+    not once a speculating step is seen to cost a plain step more (the general path, the steady decode rebuilt);
+    a cold first step counts at most two steps; while none speculates the overhead fades and a probe comes."""
+    cost, overhead = StepCost(), Overhead()
+    for rows in (1, 5, 9, 1, 5, 9) * 20:
+        cost.observe(rows, 0.020 + 0.0002 * rows)
+    good = (0.9, 4)
+    assert choose(8, [good], cost, overhead.seconds()) == 1
+    overhead.observe(5.0, cost.seconds(12))  # a cold step: 5 s, counted as 2 plain steps
+    assert overhead.seconds() <= 2 * cost.seconds(12) / 3 + 1e-9
+    for _ in range(10):
+        overhead.observe(0.02, cost.seconds(12))
+    assert choose(8, [good], cost, overhead.seconds()) == 0
+    assert choose(1, [good], cost, overhead.seconds()) == 1  # one row: 3.4 tokens a step still pay for it
+    for _ in range(200):
+        overhead.idle()
+    assert choose(8, [good], cost, overhead.seconds()) == 1
 
 
 def test_acceptance_drifts_back_to_a_probe():
