@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from engine.sampling_params import GuidedSpec, SamplingParams
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
 LONG = dict(max_model_len=160)
+ROOT = Path(__file__).resolve().parents[2]
 TOKENS = 40
 
 
@@ -157,3 +159,33 @@ def test_sampling_keeps_the_distribution(make_llm, tiny_llama_dir, prompt_ids):
     new_accepted = spec.engine.spec.num_accepted_tokens - accepted
     assert new_drafts > 300 and 0.1 * new_drafts < new_accepted < 0.9 * new_drafts, (new_drafts, new_accepted)
     assert tv < 0.2, (tv, dist)
+
+
+def test_the_benchmark_prompts_come_out_identical_on_the_default_model(make_llm, smol_tokenizer):
+    """benchmarks/spec_decode.py's prompts as it runs them (SmolLM2 in bfloat16): its six input-grounded tasks
+    (the chat template around 300-800 tokens of text or code) and four of its free-prose prompts, all in one
+    batch: the greedy tokens with n-gram speculation, every proposal verified, are the plain ones. (The first 32
+    tokens of each: the benchmark checks its 256 on every run.)"""
+    import argparse
+    import random
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serving import make_requests
+
+    tasks = json.loads((ROOT / "benchmarks/data/spec_decode_tasks.json").read_text())["tasks"]
+    texts = [smol_tokenizer.apply_chat_template([{"role": "user", "content": f"{t['instruction']}\n\n{t['text']}"}],
+                                                add_generation_prompt=True, tokenize=False) for t in tasks]
+    prompts = [smol_tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    ns = argparse.Namespace(num_prompts=4, input_len=128, output_len=32, input_len_range=0.0, output_len_range=0.0,
+                            prompt_kind="tokens", token_id_low=1000, token_id_high=10000)
+    prompts += [list(p) for p, _, _ in make_requests(ns, random.Random(0))]
+    config = dict(dtype="bfloat16", max_model_len=1024)
+    plain = make_llm("smol", **config)
+    spec = make_llm("smol", speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}), **config)
+    spec.engine.spec.always = True
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    accepted = spec.engine.spec.num_accepted_tokens
+    assert token_ids(_run(spec, prompts, params)) == token_ids(_run(plain, prompts, params))
+    assert spec.engine.spec.num_accepted_tokens - accepted > 32  # the proposals were verified, many taken
