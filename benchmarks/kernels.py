@@ -12,7 +12,10 @@ whose first half is read back from the prefix cache). `quant` times ops.kquant_g
 and an [8192, 2048] weight at --quant-rows rows (a decode step reads every weight once: GB/s of packed weight
 bytes is the figure; run it again under PAGEDSERVE_CPU_ISA=avx2 for an AVX2 CPU's paths; with OMP_NUM_THREADS=1 it
 times the thread's CPU clock, not the wall clock). `q8` times ops.q8_gemm per forced path (--q8-paths) and torch's
-float32 linear over --q8-shapes and --q8-rows (GB/s of the weight read, GFLOP/s). Prints tables and writes JSON
+float32 linear over --q8-shapes and --q8-rows (GB/s of the weight read, GFLOP/s). `moe` times ops.moe_experts over
+GGUF-typed experts (--moe-types, gate:up:down each; e.g. a Q4_K_M file's Q4_K:Q4_K:Q6_K against Q8_0:Q8_0:Q8_0) at
+--moe-shape (hidden x expert intermediate x experts x top-k; default A3B-like) and --moe-rows decode rows, each row's
+experts drawn at random: ms, the expert bytes moe_bytes_read counts and their GB/s. Prints tables and writes JSON
 (default benchmarks/results/kernels.json).
 """
 from __future__ import annotations
@@ -171,6 +174,31 @@ def bench_q8(n: int, k: int, rows: int, paths: list[str], args) -> list[dict]:
     return results
 
 
+def bench_moe(kinds: list[str], hidden: int, inter: int, experts: int, top_k: int, rows: int, args) -> dict:
+    """ops.moe_experts over `experts` random experts of kinds (gate, up, down GGML types; packed as the GGUF loader
+    packs them: moe.attach_gguf_experts) at rows, each row's top_k experts distinct and random (seeded)."""
+    from engine.model_executor.layers.formats import FORMATS, random_raw
+    from engine.model_executor.layers.moe import _stack_parts
+
+    raw = [(FORMATS[kind], random_raw(FORMATS[kind], experts * n, k, seed=i, scale=1e-3))
+           for i, (kind, (n, k)) in enumerate(zip(kinds, ((inter, hidden), (inter, hidden), (hidden, inter))))]
+    w13, w2 = _stack_parts(raw[:2], experts, inter), _stack_parts(raw[2:], experts, hidden)
+    del raw
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)])
+    weights = torch.full((rows, top_k), 1.0 / top_k)
+    x, out = torch.randn(rows, hidden, generator=gen), torch.empty(rows, hidden)
+    call = lambda: ops.moe_experts(out, x, ids, weights, w13, w2, inter)  # noqa: E731
+    ops.moe_bytes_read(reset=True)
+    call()
+    nbytes = ops.moe_bytes_read(reset=True)
+    clock = "thread" if torch.get_num_threads() == 1 else "wall"
+    sec = thread_timed(call, args.min_time) if clock == "thread" else timed(call, torch.device("cpu"), args.min_time)
+    return dict(op="moe", types=":".join(kinds), hidden=hidden, inter=inter, experts=experts, top_k=top_k, rows=rows,
+                experts_read=len(torch.unique(ids)), ms=sec * 1e3, bytes_read=nbytes, gb_s=nbytes / sec / 1e9,
+                clock=clock)
+
+
 def thread_timed(fn, min_time: float) -> float:
     """Least CPU seconds of the calling thread per call over 7 windows of ~min_time / 7 (one thread: the kernel's own
     work, which a shared machine's other processes do not stretch as they stretch the wall clock)."""
@@ -187,13 +215,17 @@ def thread_timed(fn, min_time: float) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="paged", help="comma-separated: paged, silu, prefill, quant, q8")
+    p.add_argument("--ops", default="paged", help="comma-separated: paged, silu, prefill, quant, q8, moe")
     p.add_argument("--formats", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K", help="quant: GGML types")
     p.add_argument("--quant-rows", type=int, nargs="*", default=[1, 8])
     p.add_argument("--q8-paths", default="avx2,panel,float32",
                    help=f"q8: q8_gemm paths forced ({', '.join(Q8_PATHS)}; float32: torch's linear)")
     p.add_argument("--q8-shapes", nargs="*", default=["2048x2048", "2048x8192", "8192x2048"], help="q8: NxK")
     p.add_argument("--q8-rows", type=int, nargs="*", default=[1, 4, 8, 32, 128, 512])
+    p.add_argument("--moe-types", nargs="*", default=["Q4_K:Q4_K:Q6_K", "Q4_K:Q4_K:Q4_K", "Q8_0:Q8_0:Q8_0"],
+                   help="moe: gate:up:down GGML types per run")
+    p.add_argument("--moe-shape", default="2048x768x32x8", help="moe: hidden x intermediate x experts x top-k")
+    p.add_argument("--moe-rows", type=int, nargs="*", default=[1, 8])
     p.add_argument("--full", action="store_true", help="batch 1..256 x context 128..4096")
     p.add_argument("--batches", type=int, nargs="*")
     p.add_argument("--contexts", type=int, nargs="*")
@@ -262,6 +294,15 @@ def main() -> None:
                     rows.append(r)
                     print(f"{shape:>11} {m:>5} {r['path']:>10} {r['ms']:>9.3f} {r['gb_s']:>7.2f} {r['gflop_s']:>8.1f}",
                           flush=True)
+    if "moe" in wanted:
+        hidden, inter, experts, top_k = (int(v) for v in args.moe_shape.split("x"))
+        print(f"{'types':>15} {'rows':>5} {'experts':>7} {'ms':>9} {'MiB read':>9} {'GB/s':>7}   moe_experts "
+              f"{args.moe_shape}, kquant_gemm path {ops.kquant_gemm_isa()}, {torch.get_num_threads()} threads")
+        for kinds in args.moe_types:
+            for m in args.moe_rows:
+                rows.append(r := bench_moe(kinds.split(":"), hidden, inter, experts, top_k, m, args))
+                print(f"{kinds:>15} {m:>5} {r['experts_read']:>7} {r['ms']:>9.3f} {r['bytes_read'] / 2**20:>9.1f} "
+                      f"{r['gb_s']:>7.2f}", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(device=device_name(device), backend=backend.value, dtype=args.dtype, num_heads=args.num_heads,

@@ -212,9 +212,10 @@ void kquant_gemm(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor
 }
 
 void moe_experts(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& topk_ids,
-                 const torch::Tensor& topk_weights, const torch::Tensor& w13, const torch::Tensor& w2, int64_t inter) {
+                 const torch::Tensor& topk_weights, const torch::Tensor& w13, const torch::Tensor& w2, int64_t inter,
+                 int64_t isa) {
   cpu_only({&out, &x, &topk_ids, &topk_weights, &w13, &w2}, "moe_experts");
-  pagedserve::cpu::moe_experts(out, x, topk_ids, topk_weights, w13, w2, inter);
+  pagedserve::cpu::moe_experts(out, x, topk_ids, topk_weights, w13, w2, inter, isa);
 }
 
 void moe_forward(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& logits, const torch::Tensor& w13,
@@ -299,7 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_gemm_isa", &pagedserve::cpu::small_gemm_isa, "the best small_gemm path built (0: none)");
   m.def("q8_gemm", &q8_gemm, release_gil(), py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"),
         py::arg("isa") = 0, "out = x @ W^T (+ bias) over Q8_0 (int8) weights packed by engine/model_executor/layers/quant.py");
-  m.def("moe_experts", &moe_experts, release_gil(),
+  m.def("moe_experts", &moe_experts, release_gil(), py::arg("out"), py::arg("x"), py::arg("topk_ids"),
+        py::arg("topk_weights"), py::arg("w13"), py::arg("w2"), py::arg("inter"), py::arg("isa") = 0,
         "a mixture-of-experts MLP: tokens grouped by expert, each chosen expert's packed weights read once");
   m.def("moe_forward", &moe_forward, release_gil(),
         "a mixture-of-experts MLP from its router's logits: softmax, top-k, then moe_experts (out may be x)");

@@ -194,7 +194,8 @@ at::Tensor ggml_quantize_k(const at::Tensor& weight, int64_t type);
 // out = sum over each token's k experts of topk_weights * down(silu(gate(x)) * up(x)), the tokens grouped by
 // expert so that each chosen expert's weights are read once. w13[e] is expert e's [gate | up] [2 * inter, hidden]
 // and w2[e] its down [hidden, inter], each packed as the dense kernels read it (small_gemm's float32 / bfloat16
-// form, or q8_gemm's uint8 Q8_0 form): engine/model_executor/layers/moe.py packs them.
+// form, q8_gemm's uint8 Q8_0 form, or kquant_gemm's int8 blob of GGML blocks): engine/model_executor/layers/moe.py
+// packs them. w13 and w2 share a float dtype, or are both quantized (a uint8 and an int8 one may pair).
 void moe_experts(
     at::Tensor& out,                  // [T, hidden] x's dtype
     const at::Tensor& x,              // [T, hidden] float32 or bfloat16, rows contiguous
@@ -202,7 +203,8 @@ void moe_experts(
     const at::Tensor& topk_weights,   // [T, k] float32
     const at::Tensor& w13,            // [E, packed gate | up]
     const at::Tensor& w2,             // [E, packed down]
-    int64_t inter);
+    int64_t inter,
+    int64_t isa);                     // kquant_gemm's path for int8 blobs (0: the best; tests pick each)
 
 // A router's choice from its logits: softmax in float32, the top_k largest (the first index among equals), divided
 // by their sum when renormalize, rounded to bfloat16 when round_bf16 (HF's Qwen3-MoE in bfloat16).

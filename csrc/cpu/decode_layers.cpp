@@ -82,7 +82,8 @@ void gated_mlp(at::Tensor& out_rows, const at::Tensor& x_rows, const at::Tensor&
 
 // A mixture-of-experts layer's MLP slots (engine/model_executor/models/compiled_decode.py): kGateUp the router's
 // packed weight, kGateUpBias int64 {intermediate, top_k, renormalize, round_weights, experts, shared intermediate}
-// (its dtype marks the layer), kDown / kDownBias the stacked experts' gate | up and down (csrc/cpu/moe.cpp), and a
+// (its dtype marks the layer), kDown / kDownBias the stacked experts' gate | up and down (csrc/cpu/moe.cpp: float,
+// uint8 Q8_0 or int8 blobs of GGML blocks, as moe.py / the GGUF loader packed them), and a
 // shared expert's slots. In place on x's rows, as the eager MoEMLP computes it: moe_forward over the router's
 // logits, + sigmoid(x . shared gate) * shared(x) (the same ATen calls for the gate as the eager torch ones).
 void moe_mlp(at::Tensor& x_rows, const at::Tensor* w, at::Tensor& router_logits, int64_t mlp_rows, int64_t mlp_act,

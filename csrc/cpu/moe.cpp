@@ -4,12 +4,15 @@
 // are read once for all the rows routed to it: a decode step with R rows and top-k reads at most min(E, R * k)
 // experts, each once, instead of R * k. Each expert's rows are gathered into one contiguous block and run through
 // the dense linears' kernels: small_gemm_glu / small_gemm (float32, bfloat16: csrc/cpu/small_gemm.cpp, whose tiles
-// serve one row to a prefill's thousands) or q8_gemm + silu_and_mul (Q8_0 int8 weights: csrc/cpu/q8_gemm.cpp, its
-// panel path for many rows). The weights of all experts are stacked, each expert's in the packed form the dense
-// kernel reads (engine/model_executor/layers/moe.py packs them at load). The weighted sum is kept in float32 in
-// expert order (HF's index_add_ order) and rounded once to the activations' dtype, so `out` may be `x` itself
-// (the compiled decode step's MLP writes over its input rows). moe_route is HF's router after the gate's logits
-// (softmax in float32, top-k, renormalised, rounded), moe_forward the two in one call.
+// serve one row to a prefill's thousands), q8_gemm + silu_and_mul (Q8_0 int8 weights: csrc/cpu/q8_gemm.cpp, its
+// panel path for many rows) or kquant_gemm + silu_and_mul (a GGUF's Q4_K / Q6_K / Q5_0 / ... experts in their own
+// blocks, one formats.py pack_parts blob an expert: csrc/cpu/kquant_gemm.cpp, its panels for many rows; gate | up
+// and down may differ in type, as a Q4_K_M file's Q4_K gate / up and Q6_K down). The weights of all experts are
+// stacked, each expert's in the packed form the dense kernel reads (engine/model_executor/layers/moe.py packs them
+// at load); one tensor's experts share a type, so its packed rows are equal-sized. The weighted sum is kept in
+// float32 in expert order (HF's index_add_ order) and rounded once to the activations' dtype, so `out` may be `x`
+// itself (the compiled decode step's MLP writes over its input rows). moe_route is HF's router after the gate's
+// logits (softmax in float32, top-k, renormalised, rounded), moe_forward the two in one call.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -31,10 +34,15 @@ namespace {
 // (benchmarks/profile_step.py sets it against the active parameters' bytes).
 std::atomic<int64_t> expert_bytes{0};
 
-// A linear over one expert's packed weight: int8 Q8_0 (uint8) or small_gemm's float32 / bfloat16 form.
-void expert_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
+bool quantized(const at::Tensor& w) { return w.scalar_type() == at::kByte || w.scalar_type() == at::kChar; }
+
+// A linear over one expert's packed weight: Q8_0 (uint8), a GGML block-format blob (int8; `isa` picks
+// kquant_gemm's path, 0 the best) or small_gemm's float32 / bfloat16 form.
+void expert_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t isa) {
   if (w.scalar_type() == at::kByte) {
     q8_gemm(out, x, w, c10::nullopt, 0);
+  } else if (w.scalar_type() == at::kChar) {
+    kquant_gemm(out, x, w, c10::nullopt, isa);
   } else {
     small_gemm(out, x, w, c10::nullopt, 0);
   }
@@ -119,11 +127,11 @@ void moe_forward(at::Tensor& out, const at::Tensor& x, const at::Tensor& logits,
   at::Tensor ids = at::empty({t, top_k}, x.options().dtype(at::kLong));
   at::Tensor weights = at::empty({t, top_k}, x.options().dtype(at::kFloat));
   moe_route(logits, top_k, renormalize, round_weights && x.scalar_type() == at::kBFloat16, ids, weights);
-  moe_experts(out, x, ids, weights, w13, w2, inter);
+  moe_experts(out, x, ids, weights, w13, w2, inter, 0);
 }
 
 void moe_experts(at::Tensor& out, const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                 const at::Tensor& w13, const at::Tensor& w2, int64_t inter) {
+                 const at::Tensor& w13, const at::Tensor& w2, int64_t inter, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 &&
                   out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
               "moe_experts: x and out [T, hidden], one dtype, rows contiguous");
@@ -136,9 +144,11 @@ void moe_experts(at::Tensor& out, const at::Tensor& x, const at::Tensor& topk_id
   TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && topk_weights.scalar_type() == at::kFloat &&
                   topk_weights.is_contiguous(),
               "moe_experts: topk_weights [T, k] float32, contiguous");
+  // float weights of one dtype, or quantized ones of any two forms (Q4_K gate | up blobs over Q8_0 down rows)
   TORCH_CHECK(w13.dim() == 2 && w2.dim() == 2 && w13.size(0) == w2.size(0) && w13.is_contiguous() &&
-                  w2.is_contiguous() && w13.scalar_type() == w2.scalar_type(),
-              "moe_experts: w13 and w2 [E, packed] of one dtype, contiguous");
+                  w2.is_contiguous() &&
+                  (w13.scalar_type() == w2.scalar_type() || (quantized(w13) && quantized(w2))),
+              "moe_experts: w13 and w2 [E, packed] of one float dtype or both quantized, contiguous");
   TORCH_CHECK(x.device().is_cpu() && w13.device().is_cpu() && topk_ids.device().is_cpu(), "moe_experts: CPU tensors");
   const int64_t experts = w13.size(0), k = topk_ids.size(1);
   const int64_t* ids = topk_ids.data_ptr<int64_t>();
@@ -177,15 +187,17 @@ void moe_experts(at::Tensor& out, const at::Tensor& x, const at::Tensor& topk_id
       gather_rows(xe.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), hidden, rows, n);
     }
     const at::Tensor we13 = w13.select(0, e), we2 = w2.select(0, e);
-    expert_bytes.fetch_add((we13.numel() + we2.numel()) * w13.element_size(), std::memory_order_relaxed);
+    // every byte of the expert's packed rows is streamed once (a blob's 64-128-byte header and its columns padded
+    // to 16 included), whatever the row count: taller tiles re-read a column block from cache, not memory
+    expert_bytes.fetch_add(we13.nbytes() + we2.nbytes(), std::memory_order_relaxed);
     // gate | up and silu(gate) * up in one pass where the path has fused tiles (float weights, AVX-512)
-    if (w13.scalar_type() == at::kByte || !small_gemm_glu(ae, xe, we13, c10::nullopt, 0)) {
+    if (quantized(w13) || !small_gemm_glu(ae, xe, we13, c10::nullopt, 0)) {
       if (!gate_up.defined()) gate_up = at::empty({most, 2 * inter}, opts);
       at::Tensor gu = gate_up.narrow(0, 0, n);
-      expert_linear(gu, xe, we13);
+      expert_linear(gu, xe, we13, isa);
       silu_and_mul(ae, gu);
     }
-    expert_linear(ye, ae, we2);
+    expert_linear(ye, ae, we2, isa);
     if (bf16) {
       scatter_add(acc.data(), hidden, ye.data_ptr<c10::BFloat16>(), rows, weights.data() + start[e], n);
     } else {

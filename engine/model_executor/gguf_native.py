@@ -9,8 +9,9 @@ decides; CUDA, tensor parallelism and `--quantization none` still go through tra
 fused linears take their parts in their own formats (qkv_proj = q | k | v with v Q6_K and q, k Q4_K; Phi-3's file
 holds qkv and gate_up fused, one part each). A type without a kernel here (Q2_K, Q3_K, IQ*) or a float 2-D weight is
 dequantized a chunk of rows at a time and held as Q8_0, with a warning naming the type: never refused. A mixture of
-experts' experts (ffn_*_exps, [E, rows, K]) go to csrc/cpu/moe.cpp, which multiplies Q8_0 only: Q8_0 experts as
-they are, any other type held as Q8_0 the same way. Gemma's norms are stored as 1 + w by llama.cpp's converter:
+experts' experts (ffn_*_exps, [E, rows, K]) go to csrc/cpu/moe.cpp in their own blocks too (a Q4_K_M file's Q4_K
+gate / up and Q6_K or Q4_K down: one packed blob an expert, as a dense linear's; a type without a kernel held as
+Q8_0 the same way). Gemma's norms are stored as 1 + w by llama.cpp's converter:
 shifted back (gguf_file.vector_tensors) and the decoder adds its norm_offset, as for an HF checkpoint.
 
 The linears are read with plain file reads, one tensor at a time, not through a memory map: the registry repacks
@@ -77,17 +78,19 @@ def _requantized(raw: torch.Tensor, info: _Info) -> torch.Tensor:
 
 
 def _expert_blocks(raw: torch.Tensor, info: _Info, dequantized: dict[str, list[str]]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mixture of experts' 3-D tensor [E, rows, K] (raw uint8, expert-major) as Q8_0 (q int8 [E * rows, K / 32,
-    32], d float16 [E * rows, K / 32]): a Q8_0 one viewed as it is; another type (csrc/cpu/moe.cpp multiplies Q8_0
-    experts only) dequantized and held as Q8_0, with the warning."""
+                   ) -> tuple[formats.WeightFormat, torch.Tensor]:
+    """A mixture of experts' 3-D tensor [E, rows, K] (raw uint8, expert-major) as (format, raw uint8 [E * rows,
+    row_bytes]): in its own blocks where the registry has a kernel for its type (csrc/cpu/moe.cpp runs each expert
+    through q8_gemm or kquant_gemm); another type (Q2_K, Q3_K, IQ*, a float type) dequantized and held as HELD_AS,
+    with the warning."""
     e, n, k = info.shape
     raw = raw.view(e * n, -1)
-    if info.kind != HELD_AS:
+    fmt = registry_format(info.kind)
+    if fmt is None or not fmt.native():
         dequantized.setdefault(info.kind, []).append(info.name)
         raw = _requantized(raw, _Info(info.name, info.kind, (e * n, k), info.offset, info.nbytes))
-    blocks = raw.view(e * n, k // 32, 34)
-    return blocks[..., 2:].view(torch.int8), blocks[..., :2].view(torch.float16).squeeze(-1)
+        fmt = registry_format(HELD_AS)
+    return fmt, raw
 
 
 def _targets(model: nn.Module, arch: str, tied: bool) -> list[tuple[nn.Module, list[str]]]:
@@ -112,10 +115,10 @@ def _targets(model: nn.Module, arch: str, tied: bool) -> list[tuple[nn.Module, l
 def load_native_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype) -> dict[str, int]:
     """Load a quantized GGUF (is_native_gguf) into `model` (the decoder of any family in ARCHS, params allocated, not
     loaded): the norms, biases and a router as floats through model.load_weights, every linear as its file blocks
-    (formats.attach_quantized_linear), a mixture of experts' experts as Q8_0 (moe.attach_q8_experts), the token
+    (formats.attach_quantized_linear), a mixture of experts' experts likewise (moe.attach_gguf_experts), the token
     embedding from a map of the file; the float weights released before anything is read. Returns how many linear
     tensors each type holds (after any fallback; experts count as one tensor each of gate, up, down)."""
-    from engine.model_executor.layers.moe import attach_q8_experts
+    from engine.model_executor.layers.moe import attach_gguf_experts
 
     arch, infos = header(path)
     by_hf = {hf_name(i.name, arch): i for i in infos}
@@ -168,8 +171,8 @@ def load_native_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype
                 for proj in ("gate_proj", "up_proj", "down_proj"):
                     info = info_of(f"model.layers.{i}.mlp.experts.{proj}", 3)
                     experts.append(_expert_blocks(read_bytes(f, info), info, dequantized))
-                    counts[HELD_AS] = counts.get(HELD_AS, 0) + 1
-                attach_q8_experts(layer.mlp, *experts)
+                    counts[experts[-1][0].name] = counts.get(experts[-1][0].name, 0) + 1
+                attach_gguf_experts(layer.mlp, *experts)
                 del experts
                 _trim_heap()
     emb_info = info_of("model.embed_tokens")

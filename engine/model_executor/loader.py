@@ -328,7 +328,7 @@ def load_model(config: EngineConfig, pack_cpu_linears: bool = True, tp: Optional
 def _quantization(config: EngineConfig, model_path: Path, fmt: LoadFormat, device: torch.device,
                   tp: Optional[TPGroup]) -> Optional[str]:
     """How the weights are held: None (floats), "gguf" (a quantized GGUF's blocks as they are, every tensor in its own
-    type, MoE experts as Q8_0: engine/model_executor/gguf_native.py), "int8" / "q4_k" / "q4_0" / ... (a float
+    type, MoE experts too: engine/model_executor/gguf_native.py), "int8" / "q4_k" / "q4_0" / ... (a float
     checkpoint quantized at load to llama.cpp's blocks of that type) or "fp8" (the decoder's linears quantized at load to e4m3). A quantized
     GGUF is served natively on one CPU rank unless --quantization none or fp8 (then dequantized first), or a
     --quantization whose type the file's linears are not (then dequantized and quantized again); ValueError where

@@ -428,13 +428,15 @@ def moe_experts(out: torch.Tensor,  # [T, hidden] x's dtype
                 x: torch.Tensor,  # [T, hidden] float32 or bfloat16, rows contiguous
                 topk_ids: torch.Tensor,  # [T, k] int64
                 topk_weights: torch.Tensor,  # [T, k] float32
-                w13: torch.Tensor,  # [E, packed [gate | up] of [2 * inter, hidden]] (small-row float or Q8_0 uint8)
-                w2: torch.Tensor,  # [E, packed down of [hidden, inter]], w13's dtype
-                inter: int) -> torch.Tensor:
+                w13: torch.Tensor,  # [E, packed [gate | up] of [2 * inter, hidden]] (small-row float, Q8_0 uint8 or
+                                    # a formats.pack_parts int8 blob of GGML blocks)
+                w2: torch.Tensor,  # [E, packed down of [hidden, inter]], w13's float dtype or also quantized
+                inter: int,
+                isa: int = KQUANT_AUTO) -> torch.Tensor:  # kquant_gemm's path for int8 blobs (KQUANT_*)
     """A mixture-of-experts MLP (csrc/cpu/moe.cpp): sum over each token's k experts of its weight times the expert's
     down(silu(gate) * up), the tokens grouped by expert so each chosen expert's packed weights are read once
     (engine/model_executor/layers/moe.py packs them). CPU, compiled only; ref_moe is its reference."""
-    _load().moe_experts(out, x, topk_ids.contiguous(), topk_weights.contiguous(), w13, w2, int(inter))
+    _load().moe_experts(out, x, topk_ids.contiguous(), topk_weights.contiguous(), w13, w2, int(inter), int(isa))
     return out
 
 

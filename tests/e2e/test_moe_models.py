@@ -3,9 +3,11 @@ in-process (Mixtral: 4 experts, top-2; Qwen3-MoE: 8 experts top-2 with a dense l
 second layer), greedy tokens equal to HF transformers' (float32) on the compiled CPU step
 and the eager path, with a roomy cache, under preemption by swap (with prefix caching) and by recompute; the
 compiled step taken; int8 (Q8_0) experts compiled == eager; two tensor-parallel ranks give one rank's tokens;
-Qwen2-MoE's shared expert on every path."""
+Qwen2-MoE's shared expert on every path; GGUF files' experts in their own blocks (Q8_0, and llama-quantize's Q4_K_M:
+Q4_K gate / up, Q6_K and Q4_K down) against the same file dequantized."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -134,3 +136,93 @@ def test_q8_0_gguf_experts_load_natively(tmp_path, default_model_dir, prompt_ids
     assert runs["gguf"][0] == runs["int8"][0]
     for (a13, a2), (b13, b2) in zip(runs["gguf"][1], runs["int8"][1]):
         assert a13.dtype == torch.uint8 and torch.equal(a13, b13) and torch.equal(a2, b2)
+
+
+QUANTIZE = sorted(Path.home().glob(".cache/pagedserve/llama.cpp-*/build/bin/llama-quantize"))
+
+
+def _dequantized_folder(gguf_file: Path, hf_folder: Path, out: Path) -> Path:
+    """hf_folder with every weight replaced by gguf_file's tensor dequantized to float32 (llama.cpp's
+    dequantize_row arithmetic: formats.py, equal to gguf-py's), experts split back per expert: the file's own
+    numbers as a float checkpoint, the reference a natively served file is held to."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.model_executor.gguf_file import header, hf_name, read_bytes
+    from engine.model_executor.layers.ggml_linears import rows_dequantizer
+
+    out.mkdir()
+    for f in hf_folder.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    state = load_file(str(hf_folder / "model.safetensors"))
+    arch, infos = header(gguf_file)
+    with open(gguf_file, "rb") as f:
+        for info in infos:
+            name = hf_name(info.name, arch)
+            rows = math.prod(info.shape[:-1])  # 1 for a vector
+            w = rows_dequantizer(info.kind, info.shape[-1])(read_bytes(f, info).view(rows, -1)).view(info.shape)
+            if len(info.shape) == 3:  # [E, rows, K] -> each expert's own tensor
+                layer, proj = name.rsplit(".experts.", 1)
+                for e in range(info.shape[0]):
+                    state[f"{layer}.experts.{e}.{proj}"] = w[e].clone()
+            else:
+                assert state[name].shape == w.shape, (name, w.shape)
+                state[name] = w.clone()
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.skipif(not LLAMA_CPP or not QUANTIZE, reason="llama.cpp's converter and llama-quantize are not in the "
+                    "cache (benchmarks/peers.sh builds them)")
+def test_q4_k_m_gguf_experts_load_natively(tmp_path, default_model_dir, prompt_ids, caplog):
+    """llama-quantize's Q4_K_M of a Qwen3-MoE (3 sparse layers, 8 experts of 256, hidden 256: whole Q4_K blocks)
+    holds its experts as Q4_K gate / up and Q6_K (last layer) or Q4_K down: served in those blocks, one kquant_gemm
+    blob an expert (the packed bytes within 4 % of the file's), no fallback warning, and the greedy tokens, compiled
+    and eager, are those of the same file's weights dequantized to a float32 checkpoint."""
+    import logging
+
+    from engine import LLM
+    from engine.model_executor.gguf_file import header
+    from engine.model_executor.layers.formats import FORMATS
+
+    config = tiny_qwen3_moe_config(hidden_size=256, moe_intermediate_size=256, mlp_only_layers=[],
+                                   tie_word_embeddings=True)
+    folder = save_random_model(config, tmp_path / "hf", default_model_dir)
+    f32, gguf_file = tmp_path / "moe-f32.gguf", tmp_path / "moe-q4_k_m.gguf"
+    converter = LLAMA_CPP[-1]
+    env = dict(os.environ, PYTHONPATH=str(converter.parent / "gguf-py"))
+    subprocess.run([sys.executable, str(converter), str(folder), "--outtype", "f32", "--outfile", str(f32)],
+                   check=True, env=env, capture_output=True)
+    # the tied head / embedding (49152 x 256) as Q8_0, not Q6_K: its repack at load would be most of this test's time
+    subprocess.run([str(QUANTIZE[-1]), "--token-embedding-type", "q8_0", str(f32), str(gguf_file), "Q4_K_M"],
+                   check=True, capture_output=True)
+    infos = {i.name: i for i in header(gguf_file)[1]}
+    kinds = [[infos[f"blk.{i}.ffn_{p}_exps.weight"].kind for p in ("gate", "up", "down")] for i in range(3)]
+    assert kinds == [["Q4_K", "Q4_K", "Q4_K"], ["Q4_K", "Q4_K", "Q4_K"], ["Q4_K", "Q4_K", "Q6_K"]], kinds
+
+    runs = {}
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(model=str(gguf_file), **ROOMY)
+    try:
+        assert not [r for r in caplog.records if "held as" in r.getMessage()]
+        model = llm.engine.model_runner.model
+        for eager in (True, False):  # one engine, both paths
+            model.compiled_decode = not eager
+            outs = llm.generate(prompt_token_ids=prompt_ids, sampling_params=greedy(ignore_eos=True), use_tqdm=False)
+            runs[eager] = [c[0] for c in token_ids(outs)]
+        assert model.compiled_plan().steps_run >= MAX_TOKENS - 1
+    finally:
+        llm.shutdown()
+    e, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    for i, layer in enumerate(model.layers):
+        w13, w2 = layer.mlp.packed
+        assert w13.dtype == w2.dtype == torch.int8 and w13.shape[0] == w2.shape[0] == e
+        assert w13.shape[1] == 128 + 2 * FORMATS["Q4_K"].packed_bytes(inter, hidden)  # header + gate | up parts
+        assert w2.shape[1] == 128 + FORMATS[kinds[i][2]].packed_bytes(hidden, inter)
+        file_bytes = sum(infos[f"blk.{i}.ffn_{p}_exps.weight"].nbytes for p in ("gate", "up", "down"))
+        # per 16 rows x 256 weights the file's Q4_K holds 2304 bytes, the packed tile 2368 (6-bit scales as int8),
+        # Q6_K 3360 against 3360; each expert's blob a 128-byte header besides
+        assert file_bytes < w13.nbytes + w2.nbytes < 1.04 * file_bytes
+    reference, _, _, _, _ = _run(_dequantized_folder(gguf_file, folder, tmp_path / "dequantized"), prompt_ids,
+                                 enforce_eager=True)
+    assert runs[False] == runs[True] == reference

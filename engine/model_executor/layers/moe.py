@@ -10,7 +10,8 @@ block:
 - the experts: w13 [E, 2 * inter, hidden] (each expert's gate rows, then its up rows) and w2 [E, hidden, inter].
 
 On CPU, pack_experts (the loader, after the dense linears are packed or quantized) stacks every expert's weights in
-the dense kernels' packed form, float (small_gemm) or Q8_0 (q8_gemm), and releases the float parameters; then
+the dense kernels' packed form, float (small_gemm) or Q8_0 (q8_gemm), and releases the float parameters (a GGUF's
+experts: attach_gguf_experts, in the file's own blocks, K-quant blobs for kquant_gemm); then
 ops.moe_experts (csrc/cpu/moe.cpp) groups the step's tokens by expert and reads each chosen expert once. Elsewhere
 (CUDA, the torch backend, before packing) ref_moe runs HF's per-expert loop in torch.
 
@@ -20,7 +21,7 @@ rows, down columns) and the ranks' partial sums are all-reduced, as a dense MLP'
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from engine import ops
 from engine.distributed.group import TPGroup
 from engine.model_executor.layers.moe_args import MoEArgs
 from engine.ops.reference import ref_moe
+
+if TYPE_CHECKING:
+    from engine.model_executor.layers.formats import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,8 @@ class MoEMLP(nn.Module):
         self.gate = Router(hidden, m.num_experts, bias=False, dtype=dtype)  # the router, whole on every rank
         self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * self.inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(m.num_experts, hidden, self.inter, dtype=dtype), requires_grad=False)
-        # pack_experts' stacked forms: [E, packed gate | up], [E, packed down] (float or uint8 Q8_0); None: ref_moe
+        # pack_experts' stacked forms: [E, packed gate | up], [E, packed down] (float, uint8 Q8_0 or int8 blobs of
+        # GGML blocks: attach_gguf_experts); None: ref_moe
         self.packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         # Qwen2-MoE's shared expert (a dense gated MLP every token passes, all-reduced by itself) and its gate, a
         # linear hidden -> 1 whose sigmoid scales it; float like the router (llama.cpp's ffn_gate_inp_shexp is F32)
@@ -141,27 +146,49 @@ def _stack(w: torch.Tensor, packer) -> torch.Tensor:
 
 
 @torch.no_grad()
-def attach_q8_experts(layer: MoEMLP, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
-                      down: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """A GGUF's Q8_0 experts (llama.cpp's ffn_gate_exps / ffn_up_exps / ffn_down_exps: each (q int8 [E * rows, KB,
-    32], d float16 [E * rows, KB]), expert-major) packed as they are, not dequantized, into the layer's stacked
-    Q8_0 form; the router packed as pack_experts does (engine/model_executor/gguf_native.py)."""
+def attach_gguf_experts(layer: MoEMLP, gate: tuple[WeightFormat, torch.Tensor],
+                        up: tuple[WeightFormat, torch.Tensor], down: tuple[WeightFormat, torch.Tensor]) -> None:
+    """A GGUF's experts (llama.cpp's ffn_gate_exps / ffn_up_exps / ffn_down_exps: each (format, raw uint8
+    [E * rows, row_bytes]), expert-major) packed in their own blocks, never dequantized, into the layer's stacked
+    form: gate | up, and down, each as the dense linears' attach_quantized_linear holds a linear's parts: all Q8_0
+    as q8_gemm's uint8 form (pack_q8), else one formats.pack_parts int8 blob an expert (a Q4_K_M file: Q4_K gate |
+    up, Q6_K or Q4_K down) for kquant_gemm. The router packed as pack_experts does
+    (engine/model_executor/gguf_native.py)."""
     from engine.model_executor.layers import cpu_linear
-    from engine.model_executor.layers.quant import pack_q8, q8_numel
 
     e, inter, hidden = layer.args.num_experts, layer.inter, layer.gate.in_features
-    if gate[0].shape[0] != e * inter or down[0].shape[0] != e * hidden:
-        raise ValueError(f"GGUF experts of {gate[0].shape[0]} gate and {down[0].shape[0]} down rows, the model's "
-                         f"{e} experts need {e * inter} and {e * hidden}")
-    w13 = cpu_linear.huge_page_buffer(e * q8_numel(2 * inter, hidden)).view(e, -1)
-    w2 = cpu_linear.huge_page_buffer(e * q8_numel(hidden, inter)).view(e, -1)
-    for i in range(e):
-        rows = slice(i * inter, (i + 1) * inter)
-        pack_q8(torch.cat([gate[0][rows], up[0][rows]]), torch.cat([gate[1][rows], up[1][rows]]), out=w13[i])
-        pack_q8(down[0][i * hidden:(i + 1) * hidden], down[1][i * hidden:(i + 1) * hidden], out=w2[i])
-    layer.packed = (w13, w2)
+    if gate[1].shape[0] != e * inter or up[1].shape[0] != e * inter or down[1].shape[0] != e * hidden:
+        raise ValueError(f"GGUF experts of {gate[1].shape[0]} gate, {up[1].shape[0]} up and {down[1].shape[0]} "
+                         f"down rows, the model's {e} experts need {e * inter}, {e * inter} and {e * hidden}")
+    layer.packed = (_stack_parts([gate, up], e, inter), _stack_parts([down], e, hidden))
     layer.w13 = nn.Parameter(layer.w13.new_empty(0), requires_grad=False)
     layer.w2 = nn.Parameter(layer.w2.new_empty(0), requires_grad=False)
     if cpu_linear.packed_linear_available() and layer.gate.weight.dtype in cpu_linear.packed_dtypes():
         cpu_linear._pack(layer.gate)
         layer.gate.weight = nn.Parameter(layer.gate.weight.new_empty(0), requires_grad=False)
+
+
+def _stack_parts(parts: list[tuple[WeightFormat, torch.Tensor]], experts: int, rows: int) -> torch.Tensor:
+    """Each expert's rows of `parts` (expert-major raw rows) packed into its row of one huge-paged buffer: uint8
+    [E, q8_numel] when every part is Q8_0, else int8 [E, blob bytes] (one tensor's experts share a type: equal
+    blobs, 64-byte multiples, so each expert's starts aligned)."""
+    from engine.model_executor.layers.cpu_linear import huge_page_buffer
+    from engine.model_executor.layers.formats import pack_parts
+    from engine.model_executor.layers.quant import pack_q8, q8_numel
+
+    k = parts[0][1].shape[1] // parts[0][0].block_bytes * parts[0][0].block_weights
+    if all(fmt.name == "Q8_0" for fmt, _ in parts):
+        buf = huge_page_buffer(experts * q8_numel(rows * len(parts), k)).view(experts, -1)
+        blocks = [raw.view(raw.shape[0], -1, 34) for _, raw in parts]  # Q8_0: d float16, then 32 int8 codes
+        for i in range(experts):
+            mine = [b[i * rows:(i + 1) * rows] for b in blocks]
+            pack_q8(torch.cat([b[..., 2:] for b in mine]).view(torch.int8),
+                    torch.cat([b[..., :2] for b in mine]).view(torch.float16).squeeze(-1), out=buf[i])
+        return buf
+    buf = None
+    for i in range(experts):
+        blob = pack_parts([(fmt, raw[i * rows:(i + 1) * rows]) for fmt, raw in parts])
+        if buf is None:
+            buf = huge_page_buffer(experts * blob.numel()).view(torch.int8).view(experts, -1)
+        buf[i] = blob
+    return buf
