@@ -313,6 +313,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_gemm_isa", &pagedserve::cpu::kquant_gemm_isa, "the best kquant_gemm path on this CPU and build");
   m.def("ggml_quantize_k", &pagedserve::cpu::ggml_quantize_k, release_gil(), py::arg("weight"), py::arg("type"),
         "float32 [N, K] -> uint8 K-quant blocks (ggml type 12 Q4_K, 13 Q5_K, 14 Q6_K), llama.cpp's reference bytes");
+  m.def("kquant_pack", &pagedserve::cpu::kquant_pack, release_gil(), py::arg("raw"), py::arg("type"), py::arg("out"),
+        py::arg("row0"), py::arg("total_rows"),
+        "a part's GGUF rows (uint8 [N, row bytes]) into the packed layout its kernel reads, written into out");
   m.def("set_thread_omp_threads", &set_thread_omp_threads,
         "OpenMP threads of the calling thread's parallel regions; returns the previous count");
   m.def("built_with_cuda", &built_with_cuda, "whether the CUDA kernels are compiled in");

@@ -189,6 +189,17 @@ int64_t kquant_gemm_isa();
 // (Q6_K): uint8 [N, K / 256 * block bytes], quantize_row_*_ref's bytes (csrc/cpu/ggml_quantize.cpp).
 at::Tensor ggml_quantize_k(const at::Tensor& weight, int64_t type);
 
+// A part's GGUF rows in the layout its kernel reads (csrc/cpu/kquant_pack.cpp): rows [row0, row0 + N) of a
+// [total_rows, K] weight of ggml type 2..14 (Q4_0 .. Q6_K: kquant_gemm.cpp's tiles; 8, Q8_0: q8_gemm.cpp's layout)
+// written into out, the bytes of formats.py pack_kquant / quant.py pack_q8 (row0 a multiple of 16; N too, unless
+// these are the last rows).
+void kquant_pack(
+    const at::Tensor& raw,                     // [N, K / block * block bytes] uint8, rows contiguous
+    int64_t type,                              // ggml type
+    at::Tensor& out,                           // uint8 (1-D), the whole weight's packed bytes
+    int64_t row0,
+    int64_t total_rows);
+
 // ---- mixture-of-experts MLP (CPU only; csrc/cpu/moe.cpp).
 
 // out = sum over each token's k experts of topk_weights * down(silu(gate(x)) * up(x)), the tokens grouped by

@@ -393,6 +393,23 @@ def ggml_quantize_k(weight: torch.Tensor,  # [N, K] float32, contiguous, K a mul
     return module.ggml_quantize_k(weight, ggml_type)
 
 
+def kquant_pack(raw: torch.Tensor,  # [N, K / block * block bytes] uint8, a GGUF part's rows, rows contiguous
+                ggml_type: int,
+                out: torch.Tensor,  # uint8 (1-D): the whole [total_rows, K] weight's packed bytes
+                row0: int = 0,
+                total_rows: Optional[int] = None) -> bool:
+    """Writes raw, rows [row0, row0 + N) of a weight of ggml_type (Q4_0 .. Q6_K, Q8_0), into out in the layout its
+    kernel reads: formats.py pack_kquant's bytes (quant.py pack_q8's for Q8_0). False without the compiled CPU
+    kernels (the caller runs the torch form)."""
+    module = _load()
+    if module is None or not hasattr(module, "kquant_pack"):
+        return False
+    if raw.stride(-1) != 1:
+        raw = raw.contiguous()
+    module.kquant_pack(raw, int(ggml_type), out, int(row0), raw.shape[0] if total_rows is None else int(total_rows))
+    return True
+
+
 def decode_layer_slots() -> int:
     """Tensors per layer in llama_decode_layers' weights (the compiled module's count)."""
     return int(_load().decode_layer_slots())

@@ -9,6 +9,7 @@ token (teacher-forced: the kernels quantize activations to int8 per block, and t
 nearly flat, top-two gaps of ~0.005 in logprob; one flipped near-tie would otherwise change every later token)."""
 from __future__ import annotations
 
+import functools
 import logging
 import subprocess
 import sys
@@ -89,11 +90,19 @@ def _agree(llm: LLM, reference: LLM, tokens: int = 24) -> float:
     return sum(same) / len(same)
 
 
+@functools.lru_cache(maxsize=2)
+def _file_tensors(path: Path) -> dict:
+    """gguf-py's tensors of a file by name: one reader a file (each parses the 49k-token vocabulary, ~9 s)."""
+    import gguf
+
+    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
 def _file_weight(path: Path, gguf_name: str, heads: int = 0) -> torch.Tensor:
     """A tensor of the file dequantized by gguf-py (rows un-permuted for q / k): the float reference."""
     import gguf
 
-    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == gguf_name)
+    t = _file_tensors(path)[gguf_name]
     w = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type).copy()).float()
     if heads:
         from engine.model_executor.gguf_file import unpermute_rows

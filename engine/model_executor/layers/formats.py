@@ -240,9 +240,11 @@ def _packed_block_bytes(fmt: WeightFormat) -> int:
     return j32 * (256 + hi) + 2 * COLS + (2 * COLS if _stores_m(fmt) else 0) + (subs + mins) * COLS
 
 
-def pack_kquant(fmt: WeightFormat, raw: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pack_kquant(fmt: WeightFormat, raw: torch.Tensor, out: Optional[torch.Tensor] = None, compiled: bool = True
+                ) -> torch.Tensor:
     """raw uint8 [N, row_bytes] of fmt (not Q8_0) in csrc/cpu/kquant_gemm.cpp's layout, 1-D uint8 of
-    fmt.packed_bytes(N, K); N padded to 16 columns with zeros. PACK_CHUNK_COLS rows at a time."""
+    fmt.packed_bytes(N, K); N padded to 16 columns with zeros. csrc/cpu/kquant_pack.cpp writes it where the compiled
+    kernels are, unless compiled=False: this torch form (the reference), PACK_CHUNK_COLS rows at a time."""
     if fmt.name == "Q8_0" or fmt.bits > 6:
         raise ValueError("pack_kquant: Q8_0 is packed by engine/model_executor/layers/quant.py pack_q8")
     n = raw.shape[0]
@@ -250,6 +252,8 @@ def pack_kquant(fmt: WeightFormat, raw: torch.Tensor, out: Optional[torch.Tensor
     total = fmt.packed_bytes(n, k)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8)
+    if compiled and ops.kquant_pack(raw, fmt.ggml_type, out):
+        return out
     per_cols = total // -(-n // COLS)  # bytes per 16 columns
     for r0 in range(0, n, PACK_CHUNK_COLS):
         r1 = min(n, r0 + PACK_CHUNK_COLS)
@@ -294,9 +298,33 @@ def _pack_rows(fmt: WeightFormat, raw: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(-1)
 
 
-def pack_parts(parts: list[tuple[WeightFormat, torch.Tensor]]) -> torch.Tensor:
+def pack_q8_parts(parts: list[tuple[WeightFormat, torch.Tensor]], out: Optional[torch.Tensor] = None,
+                  compiled: bool = True) -> torch.Tensor:
+    """Q8_0 parts (raw uint8 [n_i, row_bytes]) of one weight, rows in order, in quant.pack_q8's layout: uint8
+    q8_numel(sum n_i, K), into `out` when given. csrc/cpu/kquant_pack.cpp where the compiled kernels are, unless
+    compiled=False (components() into pack_q8, the reference)."""
+    n = sum(raw.shape[0] for _, raw in parts)
+    fmt0, raw0 = parts[0]
+    k = raw0.shape[1] // fmt0.block_bytes * fmt0.block_weights
+    if out is None:
+        out = torch.empty(quant.q8_numel(n, k), dtype=torch.uint8)
+    if compiled:
+        if any(raw.shape[0] % COLS for _, raw in parts[:-1]):  # a part ends inside a column block
+            parts = [(fmt0, torch.cat([raw for _, raw in parts]))]
+        row0 = 0
+        for fmt, raw in parts:
+            if not ops.kquant_pack(raw, fmt.ggml_type, out, row0, n):
+                break
+            row0 += raw.shape[0]
+        else:
+            return out
+    q, d = zip(*[fmt.components(raw)[:2] for fmt, raw in parts])
+    return quant.pack_q8(torch.cat(q), torch.cat(d).half(), out)
+
+
+def pack_parts(parts: list[tuple[WeightFormat, torch.Tensor]], compiled: bool = True) -> torch.Tensor:
     """A linear's parts (format, raw rows) as one int8 blob csrc/cpu/kquant_gemm.cpp multiplies: a header, then each
-    part packed (pack_kquant, or quant.pack_q8 for Q8_0), 64-byte aligned."""
+    part packed (pack_kquant, or pack_q8_parts for Q8_0), 64-byte aligned; compiled as pack_kquant."""
     k = None
     sizes = []
     for fmt, raw in parts:
@@ -317,10 +345,9 @@ def pack_parts(parts: list[tuple[WeightFormat, torch.Tensor]]) -> torch.Tensor:
         header += [fmt.ggml_type, raw.shape[0], off, s]
         dst = blob[off:off + s]
         if fmt.name == "Q8_0":
-            q, d, _, _, _ = fmt.components(raw)
-            quant.pack_q8(q, d.half(), dst)
+            pack_q8_parts([(fmt, raw)], dst, compiled)
         else:
-            pack_kquant(fmt, raw, dst)
+            pack_kquant(fmt, raw, dst, compiled)
     blob[:8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
     return blob.view(torch.int8)
 
@@ -359,8 +386,7 @@ def attach_quantized_linear(linear: nn.Linear, parts: list[tuple[WeightFormat, t
                              f"{fmt.row_bytes(linear.in_features)} bytes a row, got {raw.shape[1]}")
     linear._quant_formats = [(fmt, raw.shape[0]) for fmt, raw in parts]
     if all(fmt.name == "Q8_0" for fmt, _ in parts) and quant.q8_available():
-        q, d = zip(*[fmt.components(raw)[:2] for fmt, raw in parts])
-        quant.attach_q8_linear(linear, quant.pack_q8(torch.cat(q), torch.cat(d).half()))
+        quant.attach_q8_linear(linear, pack_q8_parts(parts))
         return
     native = all(fmt.native() for fmt, _ in parts)
     linear._small_weight = pack_parts(parts) if native else None
