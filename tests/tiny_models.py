@@ -1,6 +1,7 @@
 """Tiny random models for the tests: configs, HF folders with the default tokenizer."""
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -135,6 +136,20 @@ def _blocks(w, kind: str, seed: int):
     return raw.reshape(w.shape[0], -1)
 
 
+@functools.lru_cache(maxsize=1)
+def default_tokenizer_metadata() -> tuple:
+    """The default model's GGUF tokenizer.* keys as (key, contents, type, array item type or None), for the GGUFs
+    the tests write: one gguf-py reader a session (each parses the 49k-token vocabulary: seconds)."""
+    import gguf
+
+    from engine.model_executor.loader import default_gguf_path
+
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    return tuple((key, field.contents(), field.types[0],
+                  field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+                 for key, field in reader.fields.items() if key.startswith("tokenizer."))
+
+
 def write_llama_gguf(hf_dir: Path, out: Path, tensor_type=lambda name, shape: "Q8_0", file_type: int = 7) -> Path:
     """hf_dir's Llama (float32 safetensors) as a GGUF laid out as llama.cpp's convert_hf_to_gguf.py + llama-quantize
     lay one out: q_proj / k_proj rows permuted for its RoPE, the default model's tokenizer metadata, each 2-D tensor
@@ -143,8 +158,6 @@ def write_llama_gguf(hf_dir: Path, out: Path, tensor_type=lambda name, shape: "Q
 
     import gguf
     from safetensors.torch import load_file
-
-    from engine.model_executor.loader import default_gguf_path
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -162,11 +175,8 @@ def write_llama_gguf(hf_dir: Path, out: Path, tensor_type=lambda name, shape: "Q
         writer.add_value_length(cfg["head_dim"])
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_file_type(file_type)
-    reader = gguf.GGUFReader(str(default_gguf_path()))  # the default model's tokenizer, as metadata
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    for key, value, kind, sub in default_tokenizer_metadata():  # the default model's tokenizer, as metadata
+        writer.add_key_value(key, value, kind, sub)
     state = load_file(str(hf_dir / "model.safetensors"))
     for i, (name, t) in enumerate(state.items()):
         w = t.float().numpy()

@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import nn

@@ -20,6 +20,7 @@ from engine.model_executor.layers import formats
 from engine.model_executor.layers.ggml_quantize import quantize_rows
 from engine.model_executor.models.llama_args import ModelArgs, layer_ropes, sliding_windows
 from engine.model_executor.models.rope import rope_inv_freq
+from tiny_models import default_tokenizer_metadata
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=2.0**-20, bos_token_id=1, eos_token_id=2,
@@ -70,8 +71,6 @@ def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = T
     kinds(GGUF name, shape) names when given, made by the engine's quantizer: llama.cpp's quantize_row_*_ref)."""
     import gguf
 
-    from engine.model_executor.loader import default_gguf_path
-
     arch = {"qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}[c.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
@@ -104,11 +103,9 @@ def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = T
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(c.max_position_embeddings / orig) / math.log(orig)))
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    reader = gguf.GGUFReader(str(default_gguf_path()))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.") and not key.endswith("_token_id"):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
+    for key, value, kind, sub in default_tokenizer_metadata():
+        if not key.endswith("_token_id"):
+            w.add_key_value(key, value, kind, sub)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
     w.add_pad_token_id(c.pad_token_id)
