@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def ask(port: int, task: dict, max_tokens: int) -> tuple[float, int, str, dict]:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `timeout` still stops the servers (the finally below)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
     p.add_argument("--llama-server", required=True)
