@@ -173,17 +173,14 @@ def _stack_parts(parts: list[tuple[WeightFormat, torch.Tensor]], experts: int, r
     [E, q8_numel] when every part is Q8_0, else int8 [E, blob bytes] (one tensor's experts share a type: equal
     blobs, 64-byte multiples, so each expert's starts aligned)."""
     from engine.model_executor.layers.cpu_linear import huge_page_buffer
-    from engine.model_executor.layers.formats import pack_parts
-    from engine.model_executor.layers.quant import pack_q8, q8_numel
+    from engine.model_executor.layers.formats import pack_parts, pack_q8_parts
+    from engine.model_executor.layers.quant import q8_numel
 
     k = parts[0][1].shape[1] // parts[0][0].block_bytes * parts[0][0].block_weights
     if all(fmt.name == "Q8_0" for fmt, _ in parts):
         buf = huge_page_buffer(experts * q8_numel(rows * len(parts), k)).view(experts, -1)
-        blocks = [raw.view(raw.shape[0], -1, 34) for _, raw in parts]  # Q8_0: d float16, then 32 int8 codes
         for i in range(experts):
-            mine = [b[i * rows:(i + 1) * rows] for b in blocks]
-            pack_q8(torch.cat([b[..., 2:] for b in mine]).view(torch.int8),
-                    torch.cat([b[..., :2] for b in mine]).view(torch.float16).squeeze(-1), out=buf[i])
+            pack_q8_parts([(fmt, raw[i * rows:(i + 1) * rows]) for fmt, raw in parts], out=buf[i])
         return buf
     buf = None
     for i in range(experts):
