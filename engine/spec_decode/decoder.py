@@ -31,7 +31,7 @@ from engine.sample.sampler import Sample, _simple_group
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.config import SpeculativeConfig
 from engine.spec_decode.ngram import NgramIndex, ngram_propose
-from engine.spec_decode.policy import Acceptance, Overhead, StepCost, choose
+from engine.spec_decode.policy import PRIOR_ALPHA, Acceptance, DraftCost, Overhead, Pool, StepCost, choose
 
 GC_EVERY = 256  # steps between sweeps of the records of sequences no longer scheduled
 
@@ -45,7 +45,10 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.draft = draft  # engine/spec_decode/draft.py DraftProposer, for method "draft_model"
         self.cost = StepCost()  # plain decode-only steps
-        self.overhead = Overhead()  # what a speculating step costs beyond its rows
+        self.overhead = Overhead()  # what a speculating step costs beyond its rows (the draft's forwards aside)
+        self.pool = Pool() if draft is not None else None  # the draft's acceptance: each new sequence's prior
+        self.draft_cost = DraftCost() if draft is not None else None
+        self._draft_seconds = 0.0  # this step's draft forwards
         self.records: dict[int, Acceptance] = {}
         self.steps = 0
         # vLLM's counters: sequences that speculated (a step each), tokens proposed, tokens accepted.
@@ -70,6 +73,8 @@ class SpecDecoder:
         rows = out.num_batched_tokens
         self._rows = rows if not prefill_tokens else None
         self._speculated = False
+        self._draft_seconds = 0.0
+        prior = self.pool.alpha() if self.pool is not None else PRIOR_ALPHA
         candidates: list[tuple[float, int, Sequence, Acceptance]] = []  # (alpha, most proposals, ...)
         for sg in out.scheduled:
             group = sg.group
@@ -80,25 +85,31 @@ class SpecDecoder:
                     record = self._record(seq)
                     limit = self._limit(seq, group)
                     if limit > 0:
-                        candidates.append((record.alpha(), limit, seq, record))
+                        candidates.append((record.alpha(prior), limit, seq, record))
         if not candidates:
             return False
         # Who could pay at best (each with all its proposals): only they propose. A compute-bound batch stops
         # here, before any lookup or draft forward is spent on it.
         candidates.sort(key=lambda c: -c[0])
         count = len(candidates) if self.always else choose(rows, [(a, k) for a, k, _, _ in candidates], self.cost,
-                                                                     self.overhead.seconds())
+                                                                     self.overhead.seconds(), self.draft_cost)
         for _, _, _, record in candidates[count:]:
             record.idle()
         chosen = candidates[:count]
         if not chosen:
             self.overhead.idle()
+            if self.pool is not None:
+                self.pool.idle()
             return False
         if self.draft is not None:  # the draft model proposes for all of them at once, one batch a position
+            started = time.perf_counter()
             proposals = self.draft.propose([(seq, k) for _, k, seq, _ in chosen])
+            self._draft_seconds = time.perf_counter() - started
+            self.draft_cost.observe(len(chosen), self._draft_seconds)
         else:
             proposals = [self._ngram(seq, record, k) for _, k, seq, record in chosen]
-        # With the proposals' real lengths (a lookup may find fewer than k, or none), choose again.
+        # With the proposals' real lengths (a lookup may find fewer than k, or none), choose again (the draft's
+        # forwards are spent by now: they no longer count).
         found = [(a, len(p), seq, record, p) for (a, _, seq, record), p in zip(chosen, proposals) if p]
         count = len(found) if self.always else choose(rows, [(a, k) for a, k, *_ in found], self.cost,
                                                                  self.overhead.seconds())
@@ -155,6 +166,8 @@ class SpecDecoder:
         took beyond the line (it rebuilds the steady decode)."""
         rows, self._rows = self._rows, None
         speculated, self._speculated = self._speculated, False
+        seconds -= self._draft_seconds  # (in draft_cost: the overhead is what verifying costs beyond its rows)
+        self._draft_seconds = 0.0
         if self._pending is not None:
             spec_rows, spec_seconds = self._pending
             self._pending = None
@@ -255,6 +268,8 @@ class SpecDecoder:
             self.num_draft_tokens += len(proposal)
             self.num_accepted_tokens += accepted
             self.records[seq.seq_id].record(len(proposal), accepted)
+            if self.pool is not None:
+                self.pool.record(len(proposal), accepted)
         if not seq.is_finished():
             bm = engine.scheduler.block_manager
             seq.num_computed_tokens = start_len + accepted  # K/V of t, d1..d_accepted; the last token's not yet

@@ -14,6 +14,12 @@ per-group sampler and output processing, no steady decode), and the step after i
 excess over the plain line is measured too (Overhead) and added to T(R + sum k_i). Like a sequence's acceptance it
 drifts back to nothing while the engine does not speculate, so a cold first step (new shapes) or a busy spell
 does not switch speculation off for good.
+
+A draft model differs from a lookup in two ways, both measured. Its forwards cost real time every step it proposes,
+whatever the load (DraftCost: not forgotten while idle, it is the draft's size). And its acceptance is a property of
+the draft more than of the text: a new sequence starts from what the draft achieved for the sequences before it
+(Pool), so a draft that pays for nobody is not probed again by every request. A lookup's acceptance depends on each
+text (a summary copies, a story does not): there every sequence starts from the fixed prior.
 """
 from __future__ import annotations
 
@@ -31,6 +37,11 @@ DECAY = 0.99  # per observed step: the fit follows a change of load within a few
 PRIOR_ALPHA = 0.6
 PRIOR_TRIALS = 2.0
 IDLE_DECAY = 0.95
+# The draft model's acceptance over every sequence (Pool): a new sequence's prior and where an idle one drifts
+# back to. POOL_DECAY a verification (it follows the last ~100), POOL_IDLE a step none speculates (halfway back to
+# PRIOR_ALPHA in ~350 steps, so a draft that did not pay is tried again, rarely).
+POOL_DECAY = 0.99
+POOL_IDLE = 0.998
 # A speculating step's measured excess counts at most this many plain steps (a cold first step compiles shapes).
 MAX_EXCESS_STEPS = 2.0
 MARGIN = 1.03  # the gain speculation must promise: timing noise on shared cores, and Python a row costs
@@ -105,8 +116,8 @@ class Acceptance:
         self.last_step = 0
         self.index = None  # the proposer's per-sequence state (engine/spec_decode/ngram.py NgramIndex)
 
-    def alpha(self) -> float:
-        return (self.hits + PRIOR_ALPHA * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
+    def alpha(self, prior: float = PRIOR_ALPHA) -> float:
+        return (self.hits + prior * PRIOR_TRIALS) / (self.trials + PRIOR_TRIALS)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.hits += accepted
@@ -117,20 +128,51 @@ class Acceptance:
         self.trials *= IDLE_DECAY
 
 
+class Pool(Acceptance):
+    """A draft model's verifications over every sequence, forgotten slowly (POOL_DECAY) and, while none
+    speculates, back towards PRIOR_ALPHA (POOL_IDLE): the prior of each sequence's own record."""
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.hits = POOL_DECAY * self.hits + accepted
+        self.trials = POOL_DECAY * self.trials + accepted + (accepted < proposed)
+
+    def idle(self) -> None:
+        self.hits *= POOL_IDLE
+        self.trials *= POOL_IDLE
+
+
+class DraftCost:
+    """Seconds the draft model's forwards take a step it proposes: a fixed part and one a proposing sequence (a
+    few rows is memory-bound like the target's step), each a decaying mean. 0 before the draft first ran."""
+
+    def __init__(self) -> None:
+        self.cost = StepCost()
+
+    def observe(self, sequences: int, seconds: float) -> None:
+        self.cost.observe(sequences, seconds)
+
+    def seconds(self, sequences: int) -> float:
+        measured = self.cost.seconds(sequences)
+        return 0.0 if measured is None else measured
+
+
 def expected_accepted(alpha: float, k: int) -> float:
     """alpha + alpha^2 + ... + alpha^k: tokens accepted in a row, each with probability alpha."""
     return alpha * (1.0 - alpha ** k) / (1.0 - alpha) if alpha < 1.0 else float(k)
 
 
-def choose(rows: int, candidates: list[tuple[float, int]], cost: StepCost, overhead: float = 0.0) -> int:
+def choose(rows: int, candidates: list[tuple[float, int]], cost: StepCost, overhead: float = 0.0,
+           draft: Optional[DraftCost] = None) -> int:
     """How many of the candidates (alpha, k), best alpha first, speculate: the count with the best tokens per
-    second, 0 when none beats not speculating by MARGIN. overhead: a speculating step's seconds beyond its rows'."""
+    second, 0 when none beats not speculating by MARGIN. overhead: a speculating step's seconds beyond its rows';
+    draft: what the draft model's forwards for that many sequences would add (None: nothing, or already spent)."""
     best, best_gain = 0, MARGIN
     tokens, extra = float(rows), 0
     for count, (alpha, k) in enumerate(candidates, 1):
         tokens += expected_accepted(alpha, k)
         extra += k
-        gain = (tokens / rows) / cost.ratio(rows, extra, overhead)
+        spent = overhead + (draft.seconds(count) if draft is not None else 0.0)
+        gain = (tokens / rows) / cost.ratio(rows, extra, spent)
         if gain > best_gain:
             best, best_gain = count, gain
     return best

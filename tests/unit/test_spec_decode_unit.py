@@ -7,7 +7,7 @@ from engine.core.block_manager import BlockSpaceManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from engine.spec_decode.ngram import NgramIndex, ngram_propose
-from engine.spec_decode.policy import Acceptance, Overhead, StepCost, choose, expected_accepted
+from engine.spec_decode.policy import Acceptance, DraftCost, Overhead, Pool, StepCost, choose, expected_accepted
 
 
 def test_ngram_takes_the_latest_longest_match():
@@ -70,6 +70,35 @@ def test_acceptance_drifts_back_to_a_probe():
     for _ in range(100):
         record.idle()
     assert record.alpha() > 0.5
+
+
+def test_a_draft_that_pays_for_nobody_is_not_probed_by_every_new_sequence():
+    """A poor draft model (1 token of 20 accepted) whose forwards take most of a plain step: a new sequence starts
+    from the draft's pooled acceptance and does not speculate, where the fixed prior of 0.6 (a lookup's, whose
+    acceptance depends on each text) would probe; the draft's cost is charged before it runs, never forgotten;
+    while none speculates the pool drifts back, so the draft is tried again, hundreds of steps later."""
+    cost, draft = StepCost(), DraftCost()
+    for rows in (1, 5, 9, 1, 5, 9) * 20:
+        cost.observe(rows, 0.020 + 0.0002 * rows)
+    assert choose(1, [(0.6, 3)], cost, 0.0, draft) == 1  # never measured: nothing charged
+    for _ in range(5):
+        draft.observe(1, 0.015)
+    pool = Pool()
+    for i in range(30):
+        pool.record(3, 0 if i % 20 else 1)
+    fresh = Acceptance()
+    assert choose(1, [(fresh.alpha(), 3)], cost, 0.0, draft) == 1  # the fixed prior pays even for the draft
+    assert choose(1, [(fresh.alpha(pool.alpha()), 3)], cost, 0.0, draft) == 0
+    assert choose(1, [(fresh.alpha(pool.alpha()), 3)], cost, 0.0) == 1  # (its forwards spent: verifying pays)
+    for _ in range(100):
+        pool.idle()
+    assert choose(1, [(fresh.alpha(pool.alpha()), 3)], cost, 0.0, draft) == 0  # not yet
+    for _ in range(2000):
+        pool.idle()
+    assert choose(1, [(fresh.alpha(pool.alpha()), 3)], cost, 0.0, draft) == 1
+    for _ in range(2000):
+        cost.observe(1, 0.0202)  # the draft's cost stays while the target's line moves on
+    assert abs(draft.seconds(1) - 0.015) < 1e-9
 
 
 def test_draft_slots_grow_and_roll_back():
