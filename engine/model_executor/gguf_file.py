@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # served in any GGML type (engine/model_executor/gguf_native.py); only llama permutes q / k rows
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "qwen2moe")
 _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -30,6 +30,9 @@ _BLOCK = {  # GGUF blk.N.<part> -> HF model.layers.N.<part>
     # a mixture of experts: the router, and every expert's gate / up / down as one 3-D tensor [E, rows, K]
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
+    # Qwen2-MoE's shared expert (a dense gated MLP) and its gate (hidden -> 1, kept F32 by llama.cpp like the router)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _ARCH_BLOCK = {  # where an architecture's names differ from _BLOCK's (gguf-py's tensor map, HF's names)
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
@@ -38,7 +41,7 @@ _ARCH_BLOCK = {  # where an architecture's names differ from _BLOCK's (gguf-py's
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+                "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 
 
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -213,11 +216,12 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 def vector_tensors(path: Path, infos: list[_Info], arch: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's float tensors the model holds as floats, HF-named: the 1-D ones (norms, biases; q / k biases
-    un-permuted, Gemma's norms shifted back) and a mixture of experts' router (2-D, kept F32 by llama.cpp)."""
+    un-permuted, Gemma's norms shifted back) and a mixture of experts' router and shared expert's gate (2-D, kept
+    F32 by llama.cpp)."""
     with open(path, "rb") as f:
         for info in infos:
             name = hf_name(info.name, arch)
-            router = name is not None and name.endswith(".mlp.gate.weight")
+            router = name is not None and name.endswith((".mlp.gate.weight", ".mlp.shared_expert_gate.weight"))
             if name is None or (len(info.shape) != 1 and not router):
                 continue
             if info.kind not in FLOAT_TYPES:

@@ -32,9 +32,10 @@ _FIELDS = {
     "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
 }
-# A mixture of experts' keys (llama.cpp's qwen3moe, and a llama file with experts: Mixtral).
+# A mixture of experts' keys (llama.cpp's qwen3moe and qwen2moe, and a llama file with experts: Mixtral).
 _EXPERT_FIELDS = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
-                  "expert_feed_forward_length": "moe_intermediate_size", "attention.key_length": "head_dim"}
+                  "expert_feed_forward_length": "moe_intermediate_size", "attention.key_length": "head_dim",
+                  "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 _TOKEN_IDS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding", "unk_token_id": "unknown"}
 # What the config class (LlamaConfig, MistralConfig, Qwen2Config) gives a field the file does not state.
 _DEFAULTS = {
@@ -46,6 +47,10 @@ _DEFAULTS = {
     # llama.cpp's qwen3moe always renormalises the chosen experts' weights (norm_topk_prob), every layer sparse
     "qwen3_moe": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[], attention_bias=False),
+    # llama.cpp's qwen2moe: softmax top-k weights not renormalised, every layer sparse, q / k / v biases
+    "qwen2_moe": dict(max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, use_sliding_window=False,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True,
+                      shared_expert_intermediate_size=0),
     "mixtral": dict(max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None),
 }
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -114,12 +119,12 @@ def gguf_config(path: Path) -> Optional[Any]:
     arch = meta.get("general.architecture")
     if arch in _CONFIG_CLASSES:
         return _family_config(path, arch, meta, names)
-    if arch not in ("llama", "qwen2", "qwen3moe"):
+    if arch not in ("llama", "qwen2", "qwen3moe", "qwen2moe"):
         return None
     model_type = "mistral" if arch == "llama" and meta.get("general.name") == "mistral" else arch
     if arch == "llama" and meta.get("llama.expert_count"):
         model_type = "mixtral"
-    model_type = "qwen3_moe" if arch == "qwen3moe" else model_type
+    model_type = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(arch, model_type)
     fields: dict[str, Any] = dict(_DEFAULTS[model_type])
     for key, field in _FIELDS.items():
         if f"{arch}.{key}" in meta and not (arch == "qwen2" and field == "head_dim"):  # transformers skips it
@@ -141,7 +146,10 @@ def gguf_config(path: Path) -> Optional[Any]:
     if model_type != "qwen2":
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     fields["rope_parameters"] = {"rope_theta": float(fields.pop("rope_theta")), "rope_type": "default"}
-    archs = {"qwen3_moe": ["Qwen3MoeForCausalLM"], "mixtral": ["MixtralForCausalLM"]}.get(model_type)
+    if model_type == "qwen2_moe":
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in names
+    archs = {"qwen3_moe": ["Qwen3MoeForCausalLM"], "qwen2_moe": ["Qwen2MoeForCausalLM"],
+             "mixtral": ["MixtralForCausalLM"]}.get(model_type)
     return GGUFConfig(model_type=model_type, architectures=archs, hidden_act="silu",
                       tie_word_embeddings="output.weight" not in names, dtype=None, **fields)
 

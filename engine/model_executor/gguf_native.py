@@ -4,7 +4,7 @@ not a multiple of 256), go to the weight-format registry's kernel without ever b
 multiplies the numbers llama.cpp multiplies.
 
 Which files: a GGUF of any family the decoder serves (engine/model_executor/gguf_file.py ARCHS: llama, qwen2, qwen3,
-gemma3, phi3, qwen3moe) with at least one quantized linear, on CPU, one rank (engine/model_executor/loader.py
+gemma3, phi3, qwen3moe, qwen2moe) with at least one quantized linear, on CPU, one rank (engine/model_executor/loader.py
 decides; CUDA, tensor parallelism and `--quantization none` still go through transformers' dequantization). The
 fused linears take their parts in their own formats (qkv_proj = q | k | v with v Q6_K and q, k Q4_K; Phi-3's file
 holds qkv and gate_up fused, one part each). A type without a kernel here (Q2_K, Q3_K, IQ*) or a float 2-D weight is
@@ -107,6 +107,10 @@ def _targets(model: nn.Module, arch: str, tied: bool) -> list[tuple[nn.Module, l
         if hasattr(mlp, "gate_up_proj"):
             gate_up = [p + "mlp.gate_up_proj"] if fused else [p + "mlp.gate_proj", p + "mlp.up_proj"]
             targets += [(mlp.gate_up_proj, gate_up), (mlp.down_proj, [p + "mlp.down_proj"])]
+        elif getattr(mlp, "shared_expert", None) is not None:  # Qwen2-MoE's shared expert: a dense MLP's linears
+            s = p + "mlp.shared_expert."
+            targets += [(mlp.shared_expert.gate_up_proj, [s + "gate_proj", s + "up_proj"]),
+                        (mlp.shared_expert.down_proj, [s + "down_proj"])]
     targets.append((model.lm_head, ["model.embed_tokens" if tied else "lm_head"]))
     return targets
 

@@ -49,10 +49,17 @@ CONFIGS = {
 _PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+          "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+          # a mixture of experts (its experts split and stacked as _moe_state makes them)
+          "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+          "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _ARCH_PARTS = {"gemma3": {"post_attention_layernorm": "post_attention_norm",
                           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"},
-               "qwen3": {"post_attention_layernorm": "ffn_norm"}, "phi3": {"post_attention_layernorm": "ffn_norm"}}
+               "qwen3": {"post_attention_layernorm": "ffn_norm"}, "phi3": {"post_attention_layernorm": "ffn_norm"},
+               "qwen2moe": {"post_attention_layernorm": "ffn_norm"}, "qwen3moe": {"post_attention_layernorm": "ffn_norm"}}
+_ROUTERS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")  # llama.cpp keeps them F32
 
 
 def _gguf_name(name: str, arch: str) -> str:
@@ -71,7 +78,8 @@ def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = T
     kinds(GGUF name, shape) names when given, made by the engine's quantizer: llama.cpp's quantize_row_*_ref)."""
     import gguf
 
-    arch = {"qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3"}[c.model_type]
+    arch = {"qwen3": "qwen3", "gemma3_text": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
+            "qwen3_moe": "qwen3moe"}[c.model_type]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name("tiny")
     w.add_block_count(c.num_hidden_layers)
@@ -91,9 +99,15 @@ def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = T
         w.add_sliding_window(c.sliding_window)
     else:
         w.add_rope_freq_base(rope["rope_theta"])
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+    if arch.endswith("moe"):  # conversion/qwen.py Qwen2MoeModel / Qwen3MoeModel
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if arch == "phi3":
         w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
@@ -116,11 +130,13 @@ def write_family_gguf(c, state: dict[str, torch.Tensor], out: Path, q8: bool = T
         if arch == "gemma3" and name.endswith("norm.weight"):
             t = t + 1.0  # Gemma3Model.modify_tensors: the file holds 1 + w
         data = t.numpy()
-        if kinds is not None and data.ndim == 2:
+        if _gguf_name(name, arch).endswith(_ROUTERS):
+            w.add_tensor(_gguf_name(name, arch), data)
+        elif kinds is not None and data.ndim == 2:
             kind = kinds(_gguf_name(name, arch), tuple(data.shape))
             w.add_tensor(_gguf_name(name, arch), quantize_rows(t, kind).numpy(),
                          raw_dtype=gguf.GGMLQuantizationType[kind])
-        elif q8 and data.ndim == 2:
+        elif q8 and data.ndim in (2, 3):
             w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -273,3 +289,74 @@ def test_k_quant_gguf_is_served_as_its_blocks(name, tmp_path):
             logits = model(torch.tensor([p + o])).logits[0, len(p) - 1:-1]  # [8, vocab]: the rows that chose o
             below = logits.max(-1).values - logits[torch.arange(len(o)), torch.tensor(o)]
             assert (below <= TIE).all(), (name, p, o, below.tolist())
+
+
+def _moe_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as llama.cpp's converter writes
+    them: gate and up split, each a 3-D tensor [E, rows, K]."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = t.shape[1] // 2
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = t[:, :half].contiguous()
+            out[name.replace("gate_up_proj", "up_proj.weight")] = t[:, half:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name + ".weight"] = t
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "qwen3moe"])
+def test_moe_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
+    """A Qwen2-MoE (shared expert and its sigmoid gate, q/k/v biases, top-2 not renormalised) and a Qwen3-MoE
+    (q/k norms, renormalised top-2) written as llama.cpp's converter writes them (qwen2moe / qwen3moe: the
+    experts as ffn_*_exps [E, rows, K], the shared expert as ffn_*_shexp, routers F32): the file's config is the
+    checkpoint's, its Q8_0 experts and linears are served as their blocks (compiled and eager), and the greedy
+    tokens equal HF's on the same weights rounded through Q8_0."""
+    import gguf
+
+    from engine.llm import LLM
+    from engine.model_executor.layers.moe import MoEMLP
+    from engine.sampling_params import SamplingParams
+    from tiny_models import tiny_qwen2_moe_config, tiny_qwen3_moe_config
+
+    eps = TINY["rms_norm_eps"]
+    config = (tiny_qwen2_moe_config(shared_expert_intermediate_size=64, rms_norm_eps=eps) if name == "qwen2moe" else
+              tiny_qwen3_moe_config(mlp_only_layers=[], rms_norm_eps=eps))  # (llama.cpp's qwen3moe: all sparse)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for n, p in model.named_parameters():
+        if n.endswith("norm.weight"):
+            p.data.normal_(1.0, 0.1)
+    model.lm_head.weight.data.mul_(20.0)  # spread logits: a near-tie would test the int8 rounding, not the load
+    state = _moe_state(model.state_dict())
+    path = write_family_gguf(model.config, state, tmp_path / f"{name}.gguf")
+    assert is_native_gguf(path)
+    assert _view(gguf_config(path)) == _view(model.config)
+    with torch.no_grad():
+        for n, t in model.state_dict().items():  # the reference: HF on the Q8_0-rounded weights
+            if t.dim() >= 2 and not n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                q = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                t.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)))
+    prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
+    want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    for eager in (False, True):
+        llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16, enforce_eager=eager,
+                  dtype="float32")
+        try:
+            decoder = llm.engine.model_runner.model
+            mlps = [layer.mlp for layer in decoder.layers]
+            assert all(isinstance(m, MoEMLP) and m.packed is not None for m in mlps)
+            assert [f.name for f, _ in formats.format_of(decoder.layers[0].self_attn.qkv_proj)] == ["Q8_0"] * 3
+            if name == "qwen2moe":
+                assert [f.name for f, _ in formats.format_of(mlps[0].shared_expert.gate_up_proj)] == ["Q8_0"] * 2
+            outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                                sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            compiled = decoder._compiled_plan
+        finally:
+            llm.shutdown()
+        assert [list(o.outputs[0].token_ids) for o in outs] == want, (name, eager)
+        if not eager:
+            assert compiled is not None and compiled.steps_run > 0
