@@ -312,7 +312,7 @@ def test_moe_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
     """A Qwen2-MoE (shared expert and its sigmoid gate, q/k/v biases, top-2 not renormalised) and a Qwen3-MoE
     (q/k norms, renormalised top-2) written as llama.cpp's converter writes them (qwen2moe / qwen3moe: the
     experts as ffn_*_exps [E, rows, K], the shared expert as ffn_*_shexp, routers F32): the file's config is the
-    checkpoint's, its Q8_0 experts and linears are served as their blocks (compiled and eager), and the greedy
+    checkpoint's, its Q8_0 experts and linears are served as their blocks (the compiled step), and the greedy
     tokens equal HF's on the same weights rounded through Q8_0."""
     import gguf
 
@@ -342,21 +342,18 @@ def test_moe_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
     prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
     want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    for eager in (False, True):
-        llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16, enforce_eager=eager,
-                  dtype="float32")
-        try:
-            decoder = llm.engine.model_runner.model
-            mlps = [layer.mlp for layer in decoder.layers]
-            assert all(isinstance(m, MoEMLP) and m.packed is not None for m in mlps)
-            assert [f.name for f, _ in formats.format_of(decoder.layers[0].self_attn.qkv_proj)] == ["Q8_0"] * 3
-            if name == "qwen2moe":
-                assert [f.name for f, _ in formats.format_of(mlps[0].shared_expert.gate_up_proj)] == ["Q8_0"] * 2
-            outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                                sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-            compiled = decoder._compiled_plan
-        finally:
-            llm.shutdown()
-        assert [list(o.outputs[0].token_ids) for o in outs] == want, (name, eager)
-        if not eager:
-            assert compiled is not None and compiled.steps_run > 0
+    llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16, dtype="float32")
+    try:
+        decoder = llm.engine.model_runner.model
+        mlps = [layer.mlp for layer in decoder.layers]
+        assert all(isinstance(m, MoEMLP) and m.packed is not None for m in mlps)
+        assert [f.name for f, _ in formats.format_of(decoder.layers[0].self_attn.qkv_proj)] == ["Q8_0"] * 3
+        if name == "qwen2moe":
+            assert [f.name for f, _ in formats.format_of(mlps[0].shared_expert.gate_up_proj)] == ["Q8_0"] * 2
+        outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                            sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        compiled = decoder._compiled_plan
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert compiled is not None and compiled.steps_run > 0  # (the eager MoE path: tests/e2e/test_moe_models.py)
