@@ -155,6 +155,15 @@ def _view(c) -> dict:
     return {"args": args, "windows": sliding_windows(c), "ropes": ropes, "eos": c.eos_token_id, "bos": c.bos_token_id}
 
 
+PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
+
+
+def _hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    """HF's 8 greedy tokens after each prompt."""
+    return [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
 def _hf_model(name: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32).eval()
@@ -198,11 +207,10 @@ def test_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
         if t.dim() == 2:
             q = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0)
             t.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)))
-    prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
+    prompts = PROMPTS
     if "longrope" in name:  # past original_max_position_embeddings (32): HF's long factors from the first token
         prompts = [list(range(100, 140)), [9, 8, 7] * 12]
-    want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    want = _hf_greedy(model, prompts)
     llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16,
               enforce_eager=True, dtype="float32")
     try:
@@ -264,9 +272,8 @@ def test_k_quant_gguf_is_served_as_its_blocks(name, tmp_path):
         if t.dim() == 2 and not (n == "lm_head.weight" and model.config.tie_word_embeddings):
             fmt = formats.get_format(k_quant_mix(_gguf_name(n, arch), tuple(t.shape)))
             t.copy_(fmt.dequantize(quantize_rows(t, fmt.name))[:, :t.shape[1]])
-    prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
-    want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    prompts = PROMPTS
+    want = _hf_greedy(model, prompts)
     llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16, dtype="float32")
     try:
         decoder = llm.engine.model_runner.model
@@ -339,9 +346,8 @@ def test_moe_q8_gguf_serves_the_checkpoints_tokens(name, tmp_path):
             if t.dim() >= 2 and not n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 q = gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0)
                 t.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)))
-    prompts = [[5, 17, 99, 3, 250, 7, 7, 31, 400, 12], [9, 8, 7]]
-    want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
-                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    prompts = PROMPTS
+    want = _hf_greedy(model, prompts)
     llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=32, block_size=16, dtype="float32")
     try:
         decoder = llm.engine.model_runner.model
