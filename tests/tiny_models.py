@@ -136,6 +136,15 @@ def _blocks(w, kind: str, seed: int):
     return raw.reshape(w.shape[0], -1)
 
 
+@functools.lru_cache(maxsize=8)
+def gguf_reader(path: Path):
+    """gguf-py's reader of a GGUF file, one a session a file: each reader parses the 49k-token vocabulary the
+    default model's and the tests' GGUFs hold (seconds). Read only."""
+    import gguf
+
+    return gguf.GGUFReader(str(path))
+
+
 @functools.lru_cache(maxsize=1)
 def default_tokenizer_metadata() -> tuple:
     """The default model's GGUF tokenizer.* keys as (key, contents, type, array item type or None), for the GGUFs
@@ -144,7 +153,7 @@ def default_tokenizer_metadata() -> tuple:
 
     from engine.model_executor.loader import default_gguf_path
 
-    reader = gguf.GGUFReader(str(default_gguf_path()))
+    reader = gguf_reader(default_gguf_path())
     return tuple((key, field.contents(), field.types[0],
                   field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
                  for key, field in reader.fields.items() if key.startswith("tokenizer."))

@@ -104,34 +104,25 @@ def test_four_ranks_replicate_the_two_key_value_heads(make_llm, tiny_llama_dir, 
         llm.shutdown()
 
 
-def test_one_tensor_parallel_engine_per_process(tiny_llama_dir):
+def test_one_tensor_parallel_engine_per_process_taking_the_ranks_thread_share(tiny_llama_dir):
+    """A second tensor-parallel engine in the process is refused (torch holds one default group) and the first
+    serves on. torch's thread count is process-wide: rank 0 takes its share of the cores while it runs, then gives
+    the process its own count back. (One engine for both checks: each start spawns a rank, seconds on 2 cores.)"""
     from engine import LLM
-    from engine.distributed.group import StartupError
-
-    first = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
-    try:
-        with pytest.raises(StartupError, match="already holds a tensor-parallel group"):
-            LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
-        out = first.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=greedy(4), use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4  # the first engine's group is untouched
-    finally:
-        first.shutdown()
-
-
-def test_the_thread_count_is_the_ranks_share_until_shutdown(tiny_llama_dir):
-    """torch's thread count is process-wide: rank 0 takes its share of the cores while it runs, then gives the
-    process its own count back."""
-    from engine import LLM
-    from engine.distributed.group import cpu_threads_per_rank
+    from engine.distributed.group import StartupError, cpu_threads_per_rank
 
     share, before = cpu_threads_per_rank(2), torch.get_num_threads()
     torch.set_num_threads(share + 2)
     try:
-        llm = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
+        first = LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
         try:
             assert torch.get_num_threads() == share
+            with pytest.raises(StartupError, match="already holds a tensor-parallel group"):
+                LLM(model=str(tiny_llama_dir), tensor_parallel_size=2, **ROOMY)
+            out = first.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=greedy(4), use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4  # the first engine's group is untouched
         finally:
-            llm.shutdown()
+            first.shutdown()
         assert torch.get_num_threads() == share + 2
     finally:
         torch.set_num_threads(before)

@@ -22,7 +22,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.model_executor.layers import formats
-from tiny_models import save_random_model, tiny_llama_hd64_config, write_llama_gguf
+from tiny_models import gguf_reader, save_random_model, tiny_llama_hd64_config, write_llama_gguf
 
 pytestmark = pytest.mark.skipif(not formats.get_format("Q8_0").native(), reason="no int8 kernels on this CPU")
 
@@ -93,9 +93,7 @@ def _agree(llm: LLM, reference: LLM, tokens: int = 24) -> float:
 @functools.lru_cache(maxsize=2)
 def _file_tensors(path: Path) -> dict:
     """gguf-py's tensors of a file by name: one reader a file (each parses the 49k-token vocabulary, ~9 s)."""
-    import gguf
-
-    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    return {t.name: t for t in gguf_reader(path).tensors}
 
 
 def _file_weight(path: Path, gguf_name: str, heads: int = 0) -> torch.Tensor:

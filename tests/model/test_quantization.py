@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams, ops
 from engine.config import EngineConfig
 from engine.model_executor.layers.quant import dequantize_q8_0, quantize_q8_0
-from tiny_models import write_llama_gguf
+from tiny_models import gguf_reader, write_llama_gguf
 
 pytestmark = pytest.mark.skipif(ops.q8_gemm_isa() == 0, reason="no int8 GEMM path on this CPU")
 
@@ -96,12 +96,10 @@ def test_q8_0_gguf_untied_embedding_is_read_through_a_map_of_the_file(q8_gguf):
     anonymous memory: the rows are the file's blocks dequantized, ids out of range are refused, and after a lookup
     none of the map's pages stay resident (the kernel maps cached pages around each row read: the whole file would
     become resident after a few hundred distinct tokens)."""
-    import gguf
-
     model = _load(model=str(q8_gguf))
     emb = model.embed_tokens
     assert _mapped_files(emb._block_rows.data_ptr()) == [str(q8_gguf)]
-    t = next(t for t in gguf.GGUFReader(str(q8_gguf)).tensors if t.name == "token_embd.weight")
+    t = next(t for t in gguf_reader(q8_gguf).tensors if t.name == "token_embd.weight")
     raw = torch.from_numpy(np.array(t.data)).view(emb.num_embeddings, -1, 34)
     q, d = raw[..., 2:].contiguous().view(torch.int8).flatten(1), raw[..., :2].contiguous().view(torch.float16)[..., 0]
     ids = torch.tensor([[0, 3], [49151, 17]])
@@ -115,13 +113,11 @@ def test_q8_0_gguf_untied_embedding_is_read_through_a_map_of_the_file(q8_gguf):
 def test_gguf_header_reader_gives_gguf_py_tensor_infos(q8_gguf):
     """engine/model_executor/gguf_file.py's own header reader (metadata skipped) gives the architecture and tensor
     infos gguf.GGUFReader gives, on the Q8_0 file and on the default model's Q4_1 one."""
-    import gguf
-
     from engine.model_executor.gguf_file import _Info, _read_header
     from engine.model_executor.loader import default_gguf_path
 
     for path in (q8_gguf, default_gguf_path()):
-        reader = gguf.GGUFReader(str(path))
+        reader = gguf_reader(path)
         field = reader.fields["general.architecture"]
         expected = [_Info(t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape)), int(t.data_offset),
                           int(t.n_bytes)) for t in reader.tensors]

@@ -294,18 +294,21 @@ def _usage(base, **body) -> dict:
 
 
 @pytest.mark.slow  # two servers, one with its core process: ~30 s on 2 cores
-def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir, tmp_path):
+def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir, tmp_path, one_rank):
     """Outputs cross the process boundary as deltas (engine/core_proc.py OutputDeltas): every stream and every
     whole response equals the in-process server's, prefix caching on in both; the engine's figures cross it too
-    (EngineStats), and /metrics counts the same in both."""
+    (EngineStats), and /metrics counts the same in both. The core's server streams with --stream-interval 4 (its
+    joined streams still equal the in-process server's, which sends every token), checked on the way (one server
+    start fewer than a test of its own)."""
     from transformers import AutoTokenizer
 
     proc, base, _ = _start(tiny_llama_dir, tmp_path / "core.log", "--enable-prefix-caching", "--max-model-len", "512",
-                           "--enable-prompt-tokens-details")
+                           "--enable-prompt-tokens-details", "--stream-interval", "4")
     try:
         remote = _responses(base)
         hit_rate = metric(httpx.get(base + "/metrics", timeout=10).text, "pagedserve:prefix_cache_hit_rate")
         _metrics_count_what_was_served(base)
+        _stream_interval_sends_an_event_every_n_tokens(base, one_rank)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -328,23 +331,18 @@ def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir
     assert remote == local
 
 
-def test_stream_interval_sends_an_event_every_n_tokens(tiny_llama_dir, tmp_path, one_rank):
+def _stream_interval_sends_an_event_every_n_tokens(base, one_rank) -> None:
     """--stream-interval 4 through the core process: the first token at once, then 4 tokens an event, the rest with
     the last; the text (decoded by the API server from the deltas' ids) is the offline engine's."""
-    proc, base, _ = _start(tiny_llama_dir, tmp_path / "server.log", "--stream-interval", "4")
-    try:
-        with httpx.stream("POST", base + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0,
-                                "ignore_eos": True, "stream": True, "logprobs": 1}) as r:
-            events = [json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]
-        chunks = [e["choices"][0] for e in events if e["choices"]]
-        assert [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]] == [1, 4, 4, 3], chunks
-        assert "".join(c["text"] for c in chunks) == one_rank[12]
-        assert chunks[-1]["finish_reason"] == "length"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+    with httpx.stream("POST", base + "/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True, "logprobs": 1}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]] == [1, 4, 4, 3], chunks
+    assert "".join(c["text"] for c in chunks) == one_rank[12]
+    assert chunks[-1]["finish_reason"] == "length"
 
 
 def _sender(core, errors: list, sent: list) -> threading.Thread:
