@@ -90,6 +90,42 @@ void over_threads(int64_t blocks, Fn&& fn) {
   }
 }
 
+// x quantized per block of S in two int8 parts (the residual is kLowSteps finer): "expanded" rows 2r (xh) and
+// 2r + 1 (xl) of row r, each with per block its scale (dx, dx / kLowSteps) and per 16 and 32 its sums (int16), so a
+// tile treats xl as rows of its own and the weights are still read once.
+constexpr int kParts = 2;
+constexpr float kLowSteps = 254.0f;  // xl's steps per step of xh (|254 (t - xh)| <= 127)
+
+struct XQuant {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> s16, s32;
+  int64_t k = 0, s = 0;
+  std::vector<int16_t> q16;  // the wide tiles' x16 = 254 xh + xl per row (kquant_wide.cpp), when asked for
+  const int8_t* row(int64_t e) const { return q.data() + e * k; }
+};
+
+// Where a tile writes: float32 or bfloat16 rows, the bias, the valid columns.
+struct Out {
+  float* f32;
+  c10::BFloat16* bf16;
+  int64_t stride;
+  const float* bias;
+  int64_t n;
+};
+
+inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, const float* v) {
+  const int64_t cols = std::min<int64_t>(width, o.n - col0);
+  for (int64_t c = 0; c < cols; ++c) {
+    const float y = v[c] + (o.bias ? o.bias[col0 + c] : 0.0f);
+    if (o.f32) {
+      o.f32[row * o.stride + col0 + c] = y;
+    } else {
+      o.bf16[row * o.stride + col0 + c] = c10::BFloat16(y);
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
@@ -125,6 +161,7 @@ struct V256 {
   static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
   static I maddubs(I w, I x) { return _mm256_maddubs_epi16(w, x); }
   static I dot(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), set16(1))); }
+  static I dot16(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }  // int16 pairs
   static I pairs(const uint8_t* p) {  // 8 columns' int8 pairs -> int16 pairs in 32-bit lanes
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -134,6 +171,7 @@ struct V256 {
   static F fzero() { return _mm256_setzero_ps(); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
   template <int N>
@@ -173,6 +211,10 @@ struct V512 {
     if constexpr (Vnni) return _mm512_dpbusd_epi32(acc, w, x);
     else return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), set16(1)));
   }
+  static I dot16(I acc, I w, I x) {  // int16 pairs
+    if constexpr (Vnni) return _mm512_dpwssd_epi32(acc, w, x);
+    else return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+  }
   static I pairs(const uint8_t* p) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -182,6 +224,7 @@ struct V512 {
   static F fzero() { return _mm512_setzero_ps(); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
   template <int N>
@@ -223,6 +266,11 @@ inline void unpack(const uint8_t* b, int j32, int lane0, typename V::I& w0, type
 // w is the part's packed blocks of `type`, isa the best path (it dequantizes with that ISA's registers).
 void panels(int64_t type, Isa isa, at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n,
             const at::Tensor& bias);  // bias: float32 [n] or undefined
+
+// kquant_wide.cpp: column blocks b0 .. b1 - 1 of m rows through the wide tiles (x16 = xq.q16); false where this
+// build has no wide tile for isa (plain C++).
+bool wide_tiles(int64_t type, Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1,
+                const Out& o);
 
 }  // namespace kquant
 }  // namespace cpu

@@ -26,9 +26,12 @@
 // bytes}, then the parts; a Q8_0 part is csrc/cpu/q8_gemm.cpp's own layout and goes there.
 //
 // Paths: the int8 tiles (8 of the tile's rows on AVX-512, i.e. 4 rows of x; 4 on AVX2; a tile streams its column
-// block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache), each part's column blocks
-// split over the caller's OpenMP threads; and from a row threshold (use_panels) the dequantized panels of
-// kquant_panel.cpp: float32 W^T panels into torch's GEMM, the dequantized model's own products.
+// block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache) on VNNI; the wide tiles of
+// kquant_wide.cpp (x's parts joined into one int16, x16 = 254 xh + xl, against the codes widened once a tile: 4 rows
+// of x a tile on AVX2, 8 on AVX-512) on AVX2 and AVX-512 without VNNI, and on VNNI for Q6_K from kWideRowsVnni
+// rows; each part's column blocks split over the caller's OpenMP threads; and from a row threshold
+// (use_panels) the dequantized panels of kquant_panel.cpp: float32 W^T panels into torch's GEMM, the dequantized
+// model's own products.
 //
 // Measured on the 2-vCPU Xeon @ 2.50GHz (Cascade Lake: AVX-512 VNNI, no BF16/AMX), one thread's CPU time, a
 // [2048, 8192] weight, while the machine's other 5 jobs ran (load ~11 on 2 cores: absolute figures are 1.5-2x a
@@ -46,6 +49,14 @@
 //   69; Q5_1 19 / 82 / 170 vs 30 / 45 / 68. So panels from kPanelRowsVnni = 128 rows on VNNI (the tiles' 4x int8
 //   rate keeps them ahead below; at 512 rows the panels win 1.3-1.4x but for Q4_K) and from kPanelRowsWiden = 32
 //   rows on AVX2 / AVX-512 without VNNI (the tiles cost ~1 ms a row there, the panels ~27 ms + 0.35 ms a row).
+//   The wide tiles (issue 53's 8-row decode; same machine, one thread, min of 2 runs at load ~2-5, ms for the
+//   [2048, 8192] / [8192, 2048] weight, int8 tiles (the kernel before) -> wide): AVX2 build, 8 rows Q4_K 7.2 / 7.1 ->
+//   4.8 / 4.9, Q6_K 8.4 / 8.5 -> 6.0 / 6.2, Q4_0 8.7 / 8.9 -> 6.1 / 5.7; 16 rows Q4_K 14.3 -> 10.2, 1 row 1.0 -> 1.0
+//   (x16 halves the vpmaddwd work of two int8 parts; at 32 rows the wide tiles and the panels are even, so the
+//   threshold stays). VNNI (vpdpwssd against 2x vpdpbusd + vpmulld for the sub-scales), 3 interleaved runs: Q6_K
+//   8 rows 3.5 / 3.2-3.5 -> 3.2-3.3 / 2.9-3.1, 16 rows 6.7 / 6.4-8.5 -> 6.3-6.4 / 5.8-6.2 (its two sub-scales a
+//   chunk cost the int8 tile two vpmulld); Q4_K, Q4_0 even or worse (8 rows Q4_K 2.6 / 2.4 -> 2.6 / 2.7), and below
+//   8 rows the int8 tiles stay ahead (1-2 rows 0.6 -> 0.9 ms: a tile of 1-2 rows waits on vpdpwssd's latency).
 #include "kquant_blocks.h"
 
 #include "../ops.h"
@@ -61,7 +72,8 @@ constexpr int64_t kMagic = 0x4B51504B;
 constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
 constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
 constexpr int64_t kPanelRowsVnni = 128;  // rows from which the panels serve, VNNI tiles below (header)
-constexpr int64_t kPanelRowsWiden = 32;  // the same for the maddubs tiles (AVX2, AVX-512 without VNNI)
+constexpr int64_t kPanelRowsWiden = 32;  // the same for the wide tiles (AVX2, AVX-512 without VNNI)
+constexpr int64_t kWideRowsVnni = 8;     // rows from which VNNI takes the wide tiles for Q6_K (vpdpwssd)
 
 Isa best_isa() {
 #if defined(__AVX512F__)
@@ -72,20 +84,6 @@ Isa best_isa() {
   return kPlain;
 #endif
 }
-
-// x quantized per block of S in two int8 parts (the residual is kLowSteps finer): "expanded" rows 2r (xh) and
-// 2r + 1 (xl) of row r, each with per block its scale (dx, dx / kLowSteps) and per 16 and 32 its sums (int16), so a
-// tile treats xl as rows of its own and the weights are still read once.
-constexpr int kParts = 2;
-constexpr float kLowSteps = 254.0f;  // xl's steps per step of xh (|254 (t - xh)| <= 127)
-
-struct XQuant {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int16_t> s16, s32;
-  int64_t k = 0, s = 0;
-  const int8_t* row(int64_t e) const { return q.data() + e * k; }
-};
 
 inline void block_sums(const int8_t* q, int64_t k, int16_t* s16, int16_t* s32) {
   for (int64_t j = 0; j < k / 16; ++j) {
@@ -147,24 +145,17 @@ XQuant quantize_x(const at::Tensor& x, int64_t s) {
   return xq;
 }
 
-// Where a tile writes: float32 or bfloat16 rows, the bias, the valid columns.
-struct Out {
-  float* f32;
-  c10::BFloat16* bf16;
-  int64_t stride;
-  const float* bias;
-  int64_t n;
-};
-
-inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, const float* v) {
-  const int64_t cols = std::min<int64_t>(width, o.n - col0);
-  for (int64_t c = 0; c < cols; ++c) {
-    const float y = v[c] + (o.bias ? o.bias[col0 + c] : 0.0f);
-    if (o.f32) {
-      o.f32[row * o.stride + col0 + c] = y;
-    } else {
-      o.bf16[row * o.stride + col0 + c] = c10::BFloat16(y);
-    }
+// The wide tiles' x (kquant_wide.cpp): x16 = 254 xh + xl per row, k in the order x0 x2 x1 x3 per 4 (vpmaddwd's
+// pairs against the codes of k 0, 2 and of k 1, 3).
+void widen(XQuant& xq, int64_t m) {
+  const int64_t k = xq.k;
+  xq.q16.resize(m * k);
+  for (int64_t r = 0; r < m; ++r) {
+    const int8_t* qh = xq.row(kParts * r);
+    const int8_t* ql = xq.row(kParts * r + 1);
+    int16_t* x16 = xq.q16.data() + r * k;
+    for (int64_t i = 0; i < k; ++i)
+      x16[(i & ~int64_t{3}) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(254 * qh[i] + ql[i]);
   }
 }
 
@@ -364,8 +355,10 @@ void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int6
 // ------------------------------------------------------------------ driver
 
 template <class F>
-void run_format(Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t blocks, const Out& o) {
+void run_format(int64_t type, Isa isa, bool wide, const XQuant& xq, int64_t m, const uint8_t* w, int64_t blocks,
+                const Out& o) {
   over_threads(blocks, [&](int64_t b0, int64_t b1) {
+    if (wide && wide_tiles(type, isa, xq, m, w, b0, b1, o)) return;
 #if defined(__AVX512F__)
     if (isa == kVnni) return simd_blocks<V512<true>, F>(xq, m, w, b0, b1, o);
     if (isa == kAvx512) return simd_blocks<V512<false>, F>(xq, m, w, b0, b1, o);
@@ -388,6 +381,19 @@ bool use_panels(int64_t m, Isa isa) {
   }();
   if (forced >= 0) return m >= forced;
   return m >= (isa == kVnni ? kPanelRowsVnni : kPanelRowsWiden);
+}
+
+// Whether m rows of `type` take the wide tiles (kquant_wide.cpp) rather than the int8 ones: always on AVX2 / AVX-512
+// without VNNI, on VNNI Q6_K from kWideRowsVnni rows (the header's measurements). PAGEDSERVE_KQUANT_WIDE=1 / 0 takes
+// them on every SIMD path / none, for measuring.
+bool use_wide(Isa isa, int64_t m, int64_t type) {
+  static const int forced = [] {
+    const char* v = std::getenv("PAGEDSERVE_KQUANT_WIDE");
+    return v == nullptr || v[0] == '\0' ? -1 : std::atoi(v) != 0;
+  }();
+  if (isa == kPlain) return false;
+  if (forced >= 0) return forced == 1;
+  return isa != kVnni || (type == kQ6_K && m >= kWideRowsVnni);
 }
 
 int64_t block_weights(int64_t type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K ? 256 : 32; }
@@ -465,20 +471,22 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
       col += rows;
       continue;
     }
+    const bool wide = use_wide(use, m, type);
     XQuant& xq = s == 32 ? x32 : x256;
     if (xq.k == 0) xq = quantize_x(x, s);
+    if (wide && xq.q16.empty()) widen(xq, m);  // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K)
     const bool f32 = out.scalar_type() == at::kFloat;
     const Out o{f32 ? o_part.data_ptr<float>() : nullptr, f32 ? nullptr : o_part.data_ptr<c10::BFloat16>(),
                 out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() + col : nullptr, rows};
     const int64_t blocks = (rows + kCols - 1) / kCols;
     switch (type) {
-      case kQ4_0: run_format<FQ4_0>(use, xq, m, w, blocks, o); break;
-      case kQ4_1: run_format<FQ4_1>(use, xq, m, w, blocks, o); break;
-      case kQ5_0: run_format<FQ5_0>(use, xq, m, w, blocks, o); break;
-      case kQ5_1: run_format<FQ5_1>(use, xq, m, w, blocks, o); break;
-      case kQ4_K: run_format<FQ4_K>(use, xq, m, w, blocks, o); break;
-      case kQ5_K: run_format<FQ5_K>(use, xq, m, w, blocks, o); break;
-      case kQ6_K: run_format<FQ6_K>(use, xq, m, w, blocks, o); break;
+      case kQ4_0: run_format<FQ4_0>(type, use, wide, xq, m, w, blocks, o); break;
+      case kQ4_1: run_format<FQ4_1>(type, use, wide, xq, m, w, blocks, o); break;
+      case kQ5_0: run_format<FQ5_0>(type, use, wide, xq, m, w, blocks, o); break;
+      case kQ5_1: run_format<FQ5_1>(type, use, wide, xq, m, w, blocks, o); break;
+      case kQ4_K: run_format<FQ4_K>(type, use, wide, xq, m, w, blocks, o); break;
+      case kQ5_K: run_format<FQ5_K>(type, use, wide, xq, m, w, blocks, o); break;
+      case kQ6_K: run_format<FQ6_K>(type, use, wide, xq, m, w, blocks, o); break;
       default: TORCH_CHECK(false, "kquant_gemm: GGML type ", type, " has no kernel");
     }
     col += rows;

@@ -361,8 +361,9 @@ def q8_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
     return out
 
 
-# kquant_gemm's paths (csrc/cpu/kquant_gemm.cpp): PLAIN C++, AVX2 (maddubs), AVX-512 (maddubs on zmm), VNNI (vpdpbusd),
-# PANEL (dequantized panels into torch's GEMM; AUTO takes it from a row threshold).
+# kquant_gemm's paths (csrc/cpu/kquant_gemm.cpp): PLAIN C++, AVX2 (vpmaddwd on x's parts joined in int16:
+# kquant_wide.cpp), AVX-512 (the same on zmm), VNNI (vpdpbusd; vpdpwssd for Q6_K from 8 rows), PANEL (dequantized panels
+# into torch's GEMM; AUTO takes it from a row threshold).
 KQUANT_AUTO, KQUANT_PLAIN, KQUANT_AVX2, KQUANT_AVX512, KQUANT_VNNI, KQUANT_PANEL = 0, 1, 2, 3, 5, 7
 
 

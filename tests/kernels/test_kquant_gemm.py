@@ -21,7 +21,9 @@ TILES = [isa for isa in (ops.KQUANT_PLAIN, ops.KQUANT_AVX2, ops.KQUANT_AVX512, o
 ISAS = TILES + [ops.KQUANT_PANEL]
 KQUANTS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 SCALE = {"Q4_K": 1e-3, "Q5_K": 1e-3, "Q6_K": 1e-4}  # float16 d: weights of order 0.1 to 1
-ROWS = (1, 2, 3, 4, 5, 7, 8, 13, 33, 300)
+# the tiles' row blocks (kquant_wide.cpp: 8, 4, 3, 2, 1 rows a tile; the int8 tiles: 4 or 2 rows of x) and their
+# remainders: 6 = 4 + 2, 9 = 8 + 1, 11 = 8 + 3, 16 = 2 x 8 (AVX2: 4 x 4)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 33, 300)
 # |out - x @ W^T| of the int8 tiles, over max(|x| @ |W|^T): x's two parts are within 1 / 64516 of each block's
 # largest |x| (measured: at most 1.2e-5 here); one part (1 / 254, llama.cpp's Q8_K / Q8_0 activations) ~1.6e-3.
 TWO_PART_BOUND = 4e-5
@@ -53,7 +55,7 @@ def test_kquant_gemm_matches_reference(name, isa):
         raw = _rows(name, n, k, seed=n + blocks)
         blob, w = pack_parts([(fmt, raw)]), fmt.dequantize(raw)
         gen = torch.Generator().manual_seed(n)
-        for rows in ROWS if isa != ops.KQUANT_PLAIN or n < 50 else ROWS[:7]:
+        for rows in ROWS if isa != ops.KQUANT_PLAIN or n < 50 else ROWS[:8]:
             x = torch.randn(rows, k, generator=gen)
             out = ops.kquant_gemm(torch.empty(rows, n), x, blob, None, isa)
             # the panels multiply the dequantized weights in float32: the float product is their reference
@@ -114,7 +116,7 @@ def test_mixed_parts_write_their_columns(isa):
     parts = [(FORMATS[name], _rows(name, n, k, i)) for i, (name, n) in enumerate(names)]
     blob = pack_parts(parts)
     bias = torch.randn(sum(n for _, n in names))
-    for rows in (1, 7, 40):
+    for rows in (1, 7, 8, 40):  # 8, 40: VNNI takes the wide tiles for the Q6_K part only
         x = torch.randn(rows, k)
         out = ops.kquant_gemm(torch.empty(rows, bias.numel()), x, blob, bias, isa)
         col = 0
