@@ -136,12 +136,19 @@ def bench_quant(name: str, n: int, k: int, rows: int, args) -> dict:
 
     fmt = FORMATS[name]
     blob = pack_parts([(fmt, random_raw(fmt, n, k))])
-    x, out = torch.randn(rows, k), torch.empty(rows, n)
+    dt = linear_dtype(args)
+    x, out = torch.randn(rows, k, dtype=dt), torch.empty(rows, n, dtype=dt)
     call = lambda: ops.kquant_gemm(out, x, blob, None)  # noqa: E731
     clock = "thread" if torch.get_num_threads() == 1 else "wall"
     sec = thread_timed(call, args.min_time) if clock == "thread" else timed(call, torch.device("cpu"), args.min_time)
-    return dict(op="quant", format=name, n=n, k=k, rows=rows, ms=sec * 1e3, gb_s=blob.numel() / sec / 1e9,
-                isa=ops.kquant_gemm_isa(), clock=clock)
+    return dict(op="quant", format=name, n=n, k=k, rows=rows, dtype=str(dt), ms=sec * 1e3,
+                gb_s=blob.numel() / sec / 1e9, isa=ops.kquant_gemm_isa(), clock=clock)
+
+
+def linear_dtype(args) -> torch.dtype:
+    """x's and out's dtype for the quantized linears: --dtype (float32 or bfloat16, as a server's --dtype; the
+    panels multiply bfloat16 where x and out are and the CPU has AVX-512 BF16)."""
+    return torch.float32 if args.dtype == "float16" else getattr(torch, args.dtype)
 
 
 Q8_PATHS = {"float32": None, "avx2": ops.Q8_GEMM_AVX2, "avx512": ops.Q8_GEMM_AVX512,
@@ -156,7 +163,8 @@ def bench_q8(n: int, k: int, rows: int, paths: list[str], args) -> list[dict]:
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen)
     packed = pack_q8(*quantize_q8_0(w))
-    x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
+    x = torch.randn(rows, k, generator=gen).to(linear_dtype(args))
+    out, wf = torch.empty(rows, n, dtype=x.dtype), w.to(x.dtype)
     clock = "thread" if torch.get_num_threads() == 1 else "wall"
     time_it = (lambda fn: thread_timed(fn, args.min_time)) if clock == "thread" else (
         lambda fn: timed(fn, torch.device("cpu"), args.min_time))
@@ -164,12 +172,12 @@ def bench_q8(n: int, k: int, rows: int, paths: list[str], args) -> list[dict]:
     for path in paths:
         isa = Q8_PATHS[path]
         if path == "float32":
-            sec, nbytes = time_it(lambda: F.linear(x, w)), w.numel() * 4
+            sec, nbytes = time_it(lambda: F.linear(x, wf)), wf.numel() * wf.element_size()
         elif isa in (ops.Q8_GEMM_AUTO, ops.Q8_GEMM_PANEL) or isa <= ops.q8_gemm_isa():
             sec, nbytes = time_it(lambda: ops.q8_gemm(out, x, packed, None, isa)), packed.numel()
         else:
             continue
-        results.append(dict(op="q8", path=path, n=n, k=k, rows=rows, ms=sec * 1e3, gb_s=nbytes / sec / 1e9,
+        results.append(dict(op="q8", path=path, n=n, k=k, rows=rows, dtype=str(x.dtype), ms=sec * 1e3, gb_s=nbytes / sec / 1e9,
                             gflop_s=2 * rows * n * k / sec / 1e9, clock=clock))
     return results
 

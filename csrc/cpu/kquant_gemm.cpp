@@ -57,6 +57,10 @@
 //   8 rows 3.5 / 3.2-3.5 -> 3.2-3.3 / 2.9-3.1, 16 rows 6.7 / 6.4-8.5 -> 6.3-6.4 / 5.8-6.2 (its two sub-scales a
 //   chunk cost the int8 tile two vpmulld); Q4_K, Q4_0 even or worse (8 rows Q4_K 2.6 / 2.4 -> 2.6 / 2.7), and below
 //   8 rows the int8 tiles stay ahead (1-2 rows 0.6 -> 0.9 ms: a tile of 1-2 rows waits on vpdpwssd's latency).
+//   bfloat16 panels (AMD EPYC Zen 5, 2 vCPUs, AVX-512 VNNI + BF16, one thread, bfloat16 x and out, 2026-11-28, ms
+//   [2048, 8192] / [8192, 2048]), once written as bfloat16 in whole lines (kquant_panel.cpp): tiles / panels at 32
+//   rows Q4_K 3.1 / 4.0, Q6_K 3.9 / 3.8, Q4_0 3.4 / 3.8; 64 rows Q4_K 6.2 / 5.8, Q6_K 8.4 / 5.8, Q4_0 7.4 / 5.7 (and
+//   [8192, 2048] alike); 128 rows Q4_K 12.8 / 11.0: so kPanelRowsBf16 = 64.
 #include "kquant_blocks.h"
 
 #include "../ops.h"
@@ -72,6 +76,7 @@ constexpr int64_t kMagic = 0x4B51504B;
 constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
 constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
 constexpr int64_t kPanelRowsVnni = 128;  // rows from which the panels serve, VNNI tiles below (header)
+constexpr int64_t kPanelRowsBf16 = 64;   // the same where the panels are bfloat16 (AVX-512 BF16; header)
 constexpr int64_t kPanelRowsWiden = 32;  // the same for the wide tiles (AVX2, AVX-512 without VNNI)
 constexpr int64_t kWideRowsVnni = 8;     // rows from which VNNI takes the wide tiles for Q6_K (vpdpwssd)
 
@@ -371,8 +376,9 @@ void run_format(int64_t type, Isa isa, bool wide, const XQuant& xq, int64_t m, c
 }
 
 // Whether m rows go through the panels (kPanel) rather than the int8 tiles (the header's measurements: one threshold
-// serves every format). PAGEDSERVE_KQUANT_PANEL_ROWS=R moves it to R rows (0: never), for measuring.
-bool use_panels(int64_t m, Isa isa) {
+// serves every format; bfloat16 panels, half the bytes to write and AVX-512 BF16's GEMM, from fewer rows).
+// PAGEDSERVE_KQUANT_PANEL_ROWS=R moves it to R rows (0: never), for measuring.
+bool use_panels(int64_t m, Isa isa, bool bf16_panels) {
   static const int64_t forced = [] {
     const char* v = std::getenv("PAGEDSERVE_KQUANT_PANEL_ROWS");
     if (v == nullptr || v[0] == '\0') return int64_t{-1};
@@ -380,6 +386,7 @@ bool use_panels(int64_t m, Isa isa) {
     return r <= 0 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(r);
   }();
   if (forced >= 0) return m >= forced;
+  if (bf16_panels) return m >= kPanelRowsBf16;
   return m >= (isa == kVnni ? kPanelRowsVnni : kPanelRowsWiden);
 }
 
@@ -443,9 +450,11 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "kquant_gemm: bias has ", bias->numel(), " elements, N is ", n);
-    bias_f32 = bias->to(at::kFloat).contiguous();
+    bias_f32 = bias->detach().to(at::kFloat).contiguous();  // an inference op (a Parameter may require grad)
   }
   if (m == 0) return;
+  const bool bf16_panels =
+      x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot();
   XQuant x32, x256;  // x quantized per block of 32 / 256, as the parts need
   int64_t col = 0;
   for (int64_t p = 0; p < parts; ++p) {
@@ -465,7 +474,7 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     }
     const int64_t s = block_weights(type);
     const uint8_t* w = base + offset;
-    if (forced_panel || (isa == kAuto && use_panels(m, use))) {
+    if (forced_panel || (isa == kAuto && use_panels(m, use, bf16_panels))) {
       const at::Tensor b = bias_f32.defined() ? bias_f32.narrow(0, col, rows) : at::Tensor();
       panels(type, use, o_part, x, w, rows, b);
       col += rows;

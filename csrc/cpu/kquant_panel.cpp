@@ -1,8 +1,8 @@
 // The dequantized-panel path of csrc/cpu/kquant_gemm.cpp (a prefill's many rows): out = x @ W^T a panel of column
-// blocks at a time, W^T's panel dequantized to float32 [K, P] on the caller's OpenMP threads (SIMD: the codes as the
-// tiles unpack them, w = (D sc) q - (M mn) per column), then torch's GEMM (oneDNN) over it, so a prefill costs about
-// what the float model's does and its products are the dequantized model's. kquant_gemm.cpp's header has the
-// measurements and the row threshold.
+// blocks at a time, W^T's panel dequantized to float32 or bfloat16 [K, P] on the caller's OpenMP threads (SIMD: the
+// codes as the tiles unpack them, w = (D sc) q - (M mn) per column), then torch's GEMM (oneDNN) over it, so a
+// prefill costs about what the float model's does and its products are the dequantized model's. kquant_gemm.cpp's
+// header has the measurements and the row threshold.
 #include <omp.h>
 
 #include <algorithm>
@@ -30,7 +30,10 @@ namespace kquant {
 
 namespace {
 
-constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized float32 panel of W^T (as q8_gemm's)
+constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (as q8_gemm's)
+// Elements a panel row has beyond its columns: rows a power of two apart (1024 bfloat16 columns: 2 KiB) fall in two
+// of L1's 64 sets, and a unit of dequant_panel writes 256 rows at once.
+constexpr int64_t kPanelPad = 32;
 
 #if defined(__AVX512F__)
 #pragma GCC push_options
@@ -39,10 +42,10 @@ constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized float32 panel of W^
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-// The panel path's dequantization of one column block's blocks into W^T rows (float32 [K, ld], columns col0..+15):
-// w = (D sc) q - (M mn) per lane, the codes as unpack reads them (byte i of a lane is k 4g + i).
-template <class V, class F, int G>
-inline void dequant_groups(const uint8_t* b, int j32, int lane0, float* dst, int64_t ld, typename V::F sc0,
+// The panel path's dequantization of one column block's blocks into W^T rows (T: float32 or bfloat16 [K, ld],
+// columns col0..+15): w = (D sc) q - (M mn) per lane, the codes as unpack reads them (byte i of a lane is k 4g + i).
+template <class V, class F, int G, typename T>
+inline void dequant_groups(const uint8_t* b, int j32, int lane0, T* dst, int64_t ld, typename V::F sc0,
                            typename V::F sc1, typename V::F mn0, typename V::F mn1) {
   typename V::I w0, w1;
   unpack<V, F, G>(b, j32, lane0, w0, w1);
@@ -57,8 +60,8 @@ inline void dequant_groups(const uint8_t* b, int j32, int lane0, float* dst, int
   put(w1, j32 * 32 + 16 + 4 * G, sc1, mn1);
 }
 
-template <class V, class F>
-void simd_dequant(const uint8_t* wb, int64_t s0, int64_t s1, float* dst, int64_t ld) {  // dst: [K, ld], column 0
+template <class V, class F, typename T>
+void simd_dequant(const uint8_t* wb, int64_t s0, int64_t s1, T* dst, int64_t ld) {  // dst: [K, ld], column 0
   using FV = typename V::F;
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = wb + s * F::kBytes;
@@ -78,7 +81,7 @@ void simd_dequant(const uint8_t* wb, int64_t s0, int64_t s1, float* dst, int64_t
           const FV n0 = F::kOwnMins ? pick(F::kOffMn, j32 & 1) : a0, n1 = F::kOwnMins ? n0 : a1;
           sc0 = V::mul(dd, a0), sc1 = V::mul(dd, a1), mn0 = V::mul(mm, n0), mn1 = V::mul(mm, n1);
         }
-        float* d = dst + s * F::kS * ld + lane0;
+        T* d = dst + s * F::kS * ld + lane0;
         dequant_groups<V, F, 0>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
         dequant_groups<V, F, 1>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
         dequant_groups<V, F, 2>(b, j32, lane0, d, ld, sc0, sc1, mn0, mn1);
@@ -94,8 +97,8 @@ void simd_dequant(const uint8_t* wb, int64_t s0, int64_t s1, float* dst, int64_t
 #pragma GCC pop_options
 #endif
 
-template <class F>
-void plain_dequant(const uint8_t* wb, int64_t s0, int64_t s1, float* dst, int64_t ld) {  // simd_dequant's plain form
+template <class F, typename T>
+void plain_dequant(const uint8_t* wb, int64_t s0, int64_t s1, T* dst, int64_t ld) {  // simd_dequant's plain form
   for (int64_t s = s0; s < s1; ++s) {
     const uint8_t* b = wb + s * F::kBytes;
     for (int c = 0; c < kCols; ++c) {
@@ -109,43 +112,60 @@ void plain_dequant(const uint8_t* wb, int64_t s0, int64_t s1, float* dst, int64_
                                    : 1.0f;
           for (int i = 0; i < 4; ++i)
             dst[(s * F::kS + j32 * 32 + 4 * g + i) * ld + c] =
-                static_cast<float>(code<F>(b, j32, g, c, i)) * (dd * sc) - mm * mn;
+                T(static_cast<float>(code<F>(b, j32, g, c, i)) * (dd * sc) - mm * mn);
         }
     }
   }
 }
 
-// kPanel: out = x @ W^T a panel of column blocks at a time: W^T's panel dequantized to float32 [K, P] on the
-// caller's OpenMP threads, then torch's GEMM (oneDNN; bfloat16 where x and out are and the CPU multiplies bfloat16
-// natively), so a prefill costs what the float model's does and equals the dequantized model's product.
+// One panel: column blocks [b0, b1) of W^T dequantized into dst ([K, ld], T: float32 or bfloat16) on the caller's
+// OpenMP threads, in units of 256 k (one K-quant block, eight of 32) of one column block, the column blocks innermost:
+// a thread writes whole lines of dst's rows in order. (Column block by column block, each 64-byte line of a row was
+// written in two halves far apart: on a Zen 5 the dequantization of a [8192, 2048] Q4_K weight took ~5.5 ms of the
+// 6.8 ms its panel path spent on 16 rows; now 3.1.)
+template <class F, typename T>
+void dequant_panel(Isa isa, const uint8_t* w, int64_t sb, int64_t b0, int64_t b1, T* dst, int64_t ld) {
+  constexpr int64_t g = 256 / F::kS;  // blocks along K a unit
+  const int64_t np = b1 - b0, nk = (sb + g - 1) / g;
+  over_threads(np * nk, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t s0 = u / np * g, s1 = std::min(sb, s0 + g), p = u % np;
+      const uint8_t* wb = w + (b0 + p) * sb * F::kBytes;
+      if (p + 1 < np) {  // the next unit's bytes, another column block's stream (the hardware prefetcher lags)
+        const char* next = reinterpret_cast<const char*>(wb + sb * F::kBytes + s0 * F::kBytes);
+        for (int64_t line = 0; line < (s1 - s0) * F::kBytes; line += 64) __builtin_prefetch(next + line, 0, 3);
+      }
+#if defined(__AVX512F__)
+      if (isa >= kAvx512) { simd_dequant<V512<false>, F>(wb, s0, s1, dst + p * kCols, ld); continue; }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+      if (isa >= kAvx2) { simd_dequant<V256, F>(wb, s0, s1, dst + p * kCols, ld); continue; }
+#endif
+      plain_dequant<F>(wb, s0, s1, dst + p * kCols, ld);
+    }
+  });
+}
+
+// kPanel: out = x @ W^T a panel of column blocks at a time: W^T's panel dequantized [K, P] on the caller's OpenMP
+// threads, then torch's GEMM (oneDNN) over it, so a prefill costs what the float model's does and equals the
+// dequantized model's product. The panel is bfloat16 where x and out are and the CPU multiplies bfloat16 natively
+// (written as such: the float32 panel and its conversion cost a 128-token prefill of the 1.17B Q4_0 ~45 ms of 490 on
+// a Zen 5), else float32.
 template <class F>
 void run_panels(Isa isa, at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n, const at::Tensor& bias) {
   const int64_t k = x.size(1), sb = k / F::kS, blocks = (n + kCols - 1) / kCols;
-  const int64_t panel_blocks = std::min(blocks, std::max<int64_t>(1, kPanelBytes / (k * 4 * kCols)));
   const bool bf16 = x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot();
   const at::ScalarType pt = bf16 ? at::kBFloat16 : at::kFloat;
+  const int64_t esize = bf16 ? 2 : 4;
+  const int64_t panel_blocks = std::min(blocks, std::max<int64_t>(1, kPanelBytes / (k * esize * kCols)));
   const at::Tensor xin = x.scalar_type() == pt ? x : x.to(pt);
-  at::Tensor scratch = at::empty({k * panel_blocks * kCols}, x.options().dtype(at::kFloat));
+  at::Tensor scratch = at::empty({k * (panel_blocks * kCols + kPanelPad)}, x.options().dtype(pt));
   for (int64_t b0 = 0; b0 < blocks; b0 += panel_blocks) {
-    const int64_t b1 = std::min(blocks, b0 + panel_blocks), ld = (b1 - b0) * kCols;
+    const int64_t b1 = std::min(blocks, b0 + panel_blocks), ld = (b1 - b0) * kCols + kPanelPad;
     const int64_t c0 = b0 * kCols, cols = std::min(n, b1 * kCols) - c0;
-    float* dst = scratch.data_ptr<float>();
-    over_threads((b1 - b0) * sb, [&](int64_t u0, int64_t u1) {  // units of one block along K of one column block
-      for (int64_t u = u0; u < u1;) {
-        const int64_t p = u / sb, s0 = u % sb, s1 = std::min(sb, s0 + (u1 - u));
-        const uint8_t* wb = w + (b0 + p) * sb * F::kBytes;
-        u += s1 - s0;
-#if defined(__AVX512F__)
-        if (isa >= kAvx512) { simd_dequant<V512<false>, F>(wb, s0, s1, dst + p * kCols, ld); continue; }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-        if (isa >= kAvx2) { simd_dequant<V256, F>(wb, s0, s1, dst + p * kCols, ld); continue; }
-#endif
-        plain_dequant<F>(wb, s0, s1, dst + p * kCols, ld);
-      }
-    });
-    at::Tensor wt = scratch.narrow(0, 0, k * ld).view({k, ld}).narrow(1, 0, cols);
-    if (pt != at::kFloat) wt = wt.to(pt);
+    if (bf16) dequant_panel<F>(isa, w, sb, b0, b1, scratch.data_ptr<c10::BFloat16>(), ld);
+    else dequant_panel<F>(isa, w, sb, b0, b1, scratch.data_ptr<float>(), ld);
+    const at::Tensor wt = scratch.narrow(0, 0, k * ld).view({k, ld}).narrow(1, 0, cols);
     at::Tensor o = out.narrow(1, c0, cols);
     panel_mm(o, xin, wt, bias.defined() ? bias.narrow(0, c0, cols) : bias, out.scalar_type() == pt);
   }

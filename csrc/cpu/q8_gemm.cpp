@@ -14,9 +14,9 @@
 // Paths, picked at run time (or forced by `isa`, for tests):
 //   kAvx512 (AVX-512 without VNNI): x stays float32, each weight byte is widened to float32 in registers and scaled
 //     by its column's d, 16 columns a zmm (a decode step is bound by reading the weights, not by this arithmetic).
-//   kVnni (AVX-512 VNNI; the default, but for AMX's bfloat16 panels from kPanelRowsVnni rows): each row of x is
-//     split per 32-block into two int8 parts, x = dx * (xh + xl / 254) with dx = amax / 127, xh = round(x / dx) and
-//     xl = round(254 (x / dx - xh)), and vpdpbusd sums 4 products (q + 128) * xh (and * xl) a lane. The offset is
+//   kVnni (AVX-512 VNNI; the default, but for bfloat16 panels from kPanelRowsVnni / kPanelRowsBf16 rows): each
+//     row of x is split per 32-block into two int8 parts, x = dx * (xh + xl / 254) with dx = amax / 127,
+//     xh = round(x / dx) and xl = round(254 (x / dx - xh)), and vpdpbusd sums 4 products (q + 128) * xh (and * xl) a lane. The offset is
 //     taken off per block with the row's 128 * sum(xh) (and xl), so both sums are exact in int32; then
 //     acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest value,
 //     finer than bfloat16's rounding of x itself: one part alone (llama.cpp's Q8_0 x Q8_0 dot) moved SmolLM2's
@@ -90,7 +90,9 @@ constexpr int64_t kPrefetchAhead = 16;        // cache lines of a weight stream 
 enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
 
 constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (beat 1 MiB panels from 128 rows up)
-constexpr int64_t kPanelRowsVnni = 48;    // bfloat16 panels from this many rows on a VNNI CPU (never float32 ones)
+constexpr int64_t kPanelPad = 32;  // elements a panel row has beyond its columns (kquant_panel.cpp: no power of 2)
+constexpr int64_t kPanelRowsVnni = 48;    // bfloat16 panels from this many rows on a VNNI CPU with AMX
+constexpr int64_t kPanelRowsBf16 = 32;    // the same with AVX-512 BF16 only (Zen 4 / 5; never float32 panels)
 constexpr int64_t kPanelRowsWiden = 32;   // panels from this many rows where the widening tiles serve
 constexpr int64_t kPanelRowsAvx2 = 48;    // float32 panels from this many rows where the AVX2 integer tiles serve
 
@@ -113,7 +115,8 @@ at::ScalarType panel_dtype(const at::Tensor& x, const at::Tensor& out) {
 
 // Whether m rows go through the panels (measured on an AMX Xeon: docs/benchmarks.md, "int8 weights against
 // llama.cpp's Q8_0"). On a VNNI CPU the int8 tiles beat float32 panels at every row count and AMX's bfloat16 panels
-// below kPanelRowsVnni rows (without AMX, oneDNN's bfloat16 GEMM is not measured against them: the tiles serve);
+// below kPanelRowsVnni rows; without AMX, AVX-512 BF16's panels below kPanelRowsBf16 (a Zen 5, one thread, [2048,
+// 8192], ms tiles / panels: 32 rows 4.2 / 5.0, 64 rows 8.2 / 7.2, 128 rows 16.1 / 11.5, 512 rows 64 / 37);
 // the widening tiles lose to either panel from kPanelRowsWiden rows, the AVX2 integer tiles to float32 panels from
 // kPanelRowsAvx2 (header). PAGEDSERVE_Q8_PANEL_ROWS=R moves the threshold
 // to R rows for every dtype (0: never), for measuring.
@@ -127,7 +130,7 @@ bool use_panels(int64_t m, at::ScalarType pt) {
     return r <= 0 ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(r);
   }();
   if (forced >= 0) return m >= forced;
-  if (cpu_has_vnni()) return pt == at::kBFloat16 && cpu_has_amx_bf16() && m >= kPanelRowsVnni;
+  if (cpu_has_vnni()) return pt == at::kBFloat16 && m >= (cpu_has_amx_bf16() ? kPanelRowsVnni : kPanelRowsBf16);
   return m >= (best_isa() == kAvx2 ? kPanelRowsAvx2 : kPanelRowsWiden);
 }
 
@@ -420,6 +423,11 @@ void dequant_panel_avx512(const Stream& st, int64_t b0, int64_t b1, int64_t j0, 
     for (int64_t b = b0; b < b1; ++b) {
       const uint8_t* w = st.w + b * st.w_block + j * kBlockBytes;
       const uint16_t* sc = st.s + b * st.s_block + j * kCols;
+      if (b + 1 < b1) {  // the next column block's bytes: another stream (the hardware prefetcher lags)
+        for (int64_t line = 0; line < kBlockBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + st.w_block + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sc + st.s_block), _MM_HINT_T0);
+      }
       const __m512 ds = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc)));
       const __m512 ds128 = _mm512_mul_ps(ds, _mm512_set1_ps(128.0f));
       for (int g = 0; g < kQ / 4; ++g) {
@@ -612,10 +620,10 @@ void gemm_panels(at::Tensor& out, const at::Tensor& x, const Stream& st, int64_t
   const int64_t panel_blocks = std::min(blocks, std::max<int64_t>(4, kPanelBytes / (k * elt * kCols)));
   const at::Tensor xin = x.scalar_type() == pt ? x : x.to(pt);
   const at::Tensor bias = bias_f32.defined() ? bias_f32.to(pt) : at::Tensor();
-  at::Tensor scratch = at::empty({k * panel_blocks * kCols}, x.options().dtype(pt));
+  at::Tensor scratch = at::empty({k * (panel_blocks * kCols + kPanelPad)}, x.options().dtype(pt));
   const bool direct = out.scalar_type() == pt;
   for (int64_t b0 = 0; b0 < blocks; b0 += panel_blocks) {
-    const int64_t b1 = std::min(blocks, b0 + panel_blocks), ld = (b1 - b0) * kCols;
+    const int64_t b1 = std::min(blocks, b0 + panel_blocks), ld = (b1 - b0) * kCols + kPanelPad;
     const int64_t c0 = b0 * kCols, cols = std::min(n, b1 * kCols) - c0;
     over_threads(st.kb, 1, [&](int64_t j0, int64_t j1) {
 #if defined(__AVX512F__)
@@ -658,7 +666,7 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "q8_gemm: bias has ", bias->numel(), " elements, N is ", n);
-    bias_f32 = bias->to(at::kFloat).contiguous();
+    bias_f32 = bias->detach().to(at::kFloat).contiguous();  // an inference op (a Parameter may require grad)
   }
   const Isa best = best_isa();
   const bool panel = isa == kPanel || (isa == kAuto && use_panels(m, panel_dtype(x, out)));

@@ -27,6 +27,9 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 33, 300)
 # |out - x @ W^T| of the int8 tiles, over max(|x| @ |W|^T): x's two parts are within 1 / 64516 of each block's
 # largest |x| (measured: at most 1.2e-5 here); one part (1 / 254, llama.cpp's Q8_K / Q8_0 activations) ~1.6e-3.
 TWO_PART_BOUND = 4e-5
+# The panels multiply bfloat16 x with bfloat16 panels where x and out are bfloat16 and the CPU has bfloat16 dot
+# products (AVX-512 BF16: Zen 4 / 5, Sapphire Rapids on), else float32 ones (csrc/cpu/kquant_panel.cpp).
+BF16_DOT = BEST >= ops.KQUANT_AVX512 and "avx512_bf16" in open("/proc/cpuinfo").read()
 
 
 def _rows(name: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -102,8 +105,13 @@ def test_bfloat16_bias_and_strided_rows(isa):
     wide = torch.randn(6, k + 24).bfloat16()
     x = wide[:, 8:8 + k]  # rows k + 24 apart
     ref = ref_kquant_gemm(x.float(), fmt, raw, bias)
-    _check(ops.kquant_gemm(torch.empty(6, n, dtype=torch.bfloat16), x, blob, bias.bfloat16(), isa),
-           ref_kquant_gemm(x.float(), fmt, raw, bias.bfloat16().float()), x.float(), fmt.dequantize(raw))
+    w = fmt.dequantize(raw)
+    if isa == ops.KQUANT_PANEL and BF16_DOT:  # bfloat16 panels: the weights rounded to bfloat16 are the reference
+        ref16 = x.double() @ w.bfloat16().double().T + bias.bfloat16().double()
+    else:
+        ref16 = ref_kquant_gemm(x.float(), fmt, raw, bias.bfloat16().float())
+    _check(ops.kquant_gemm(torch.empty(6, n, dtype=torch.bfloat16), x, blob, bias.bfloat16(), isa), ref16,
+           x.float(), w)
     _check(ops.kquant_gemm(torch.empty(6, n), x, blob, bias, isa), ref, x.float(), fmt.dequantize(raw))
 
 
