@@ -1,8 +1,9 @@
-// What the CPU multiplies natively, asked once, and the GEMM step the dequantized-panel paths share (q8_gemm.cpp,
-// kquant_panel.cpp).
+// What the CPU multiplies natively, asked once, and what the quantized GEMMs share (q8_gemm.cpp, kquant_*.cpp): where
+// a tile writes, and the dequantized-panel paths' GEMM step.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 namespace pagedserve {
 namespace cpu {
@@ -27,6 +28,19 @@ inline bool cpu_has_bf16_dot() {
   return false;
 #endif
 }
+
+// Where a tile writes: float32 or bfloat16 rows, the bias, and the valid columns.
+struct Out {
+  float* f32;
+  c10::BFloat16* bf16;
+  int64_t stride;
+  const float* bias;
+  int64_t n;
+};
+
+// Elements a dequantized panel's row has beyond its columns: rows a power of two apart (1024 bfloat16 columns: 2 KiB)
+// fall in two of L1's 64 sets, and a panel's unit writes 32 to 256 rows at once.
+constexpr int64_t kPanelPad = 32;
 
 // o = xin @ wt (+ bias), o a column slice of the output: straight into o where it has the panel's dtype (direct),
 // else through a temporary of the panel's dtype and one copy.

@@ -105,15 +105,7 @@ struct XQuant {
   const int8_t* row(int64_t e) const { return q.data() + e * k; }
 };
 
-// Where a tile writes: float32 or bfloat16 rows, the bias, the valid columns.
-struct Out {
-  float* f32;
-  c10::BFloat16* bf16;
-  int64_t stride;
-  const float* bias;
-  int64_t n;
-};
-
+// Out (where a tile writes): cpu_features.h.
 inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, const float* v) {
   const int64_t cols = std::min<int64_t>(width, o.n - col0);
   for (int64_t c = 0; c < cols; ++c) {

@@ -31,9 +31,6 @@ namespace kquant {
 namespace {
 
 constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (as q8_gemm's)
-// Elements a panel row has beyond its columns: rows a power of two apart (1024 bfloat16 columns: 2 KiB) fall in two
-// of L1's 64 sets, and a unit of dequant_panel writes 256 rows at once.
-constexpr int64_t kPanelPad = 32;
 
 #if defined(__AVX512F__)
 #pragma GCC push_options

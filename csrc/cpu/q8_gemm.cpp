@@ -90,7 +90,6 @@ constexpr int64_t kPrefetchAhead = 16;        // cache lines of a weight stream 
 enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
 
 constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (beat 1 MiB panels from 128 rows up)
-constexpr int64_t kPanelPad = 32;  // elements a panel row has beyond its columns (kquant_panel.cpp: no power of 2)
 constexpr int64_t kPanelRowsVnni = 48;    // bfloat16 panels from this many rows on a VNNI CPU with AMX
 constexpr int64_t kPanelRowsBf16 = 32;    // the same with AVX-512 BF16 only (Zen 4 / 5; never float32 panels)
 constexpr int64_t kPanelRowsWiden = 32;   // panels from this many rows where the widening tiles serve
@@ -145,15 +144,6 @@ Isa best_isa() {
   return kAuto;  // none: q8_gemm_isa() reports 0 and engine/model_executor/layers/quant.py refuses int8 weights
 #endif
 }
-
-// Where a tile writes: float32 or bfloat16 rows, the bias, and the valid columns.
-struct Out {
-  float* f32;
-  c10::BFloat16* bf16;
-  int64_t stride;
-  const float* bias;
-  int64_t n;
-};
 
 inline void store_row(const Out& o, int64_t row, int64_t col0, const float* v) {
   const int64_t cols = std::min<int64_t>(kCols, o.n - col0);

@@ -121,6 +121,8 @@ def test_mixed_parts_write_their_columns(isa):
     product (a Q8_0 part goes through q8_gemm, whose reference is the float product)."""
     k = 512
     names = [("Q4_K", 64), ("Q4_K", 21), ("Q6_K", 16), ("Q8_0", 19), ("Q5_0", 3)]
+    if ops.q8_gemm_isa() == 0:  # a plain C++ build (PAGEDSERVE_CPU_ISA=generic) has no q8_gemm
+        names.remove(("Q8_0", 19))
     parts = [(FORMATS[name], _rows(name, n, k, i)) for i, (name, n) in enumerate(names)]
     blob = pack_parts(parts)
     bias = torch.randn(sum(n for _, n in names))
