@@ -134,10 +134,11 @@ def test_steps_go_on_while_the_event_loop_is_busy_and_a_late_reader_gets_the_new
     lengths, (start, end), tokens = asyncio.run(scenario())
     during = [t for t in step_ends if start < t < end]
     assert len(during) >= 5, f"{len(during)} steps ended while the loop was blocked for 0.3 s"
-    assert lengths[:2] == [1, 2] and lengths[-1] == 60 and lengths == sorted(set(lengths))
+    # (a fast CPU may merge outputs before the block too: [1, 16, ...] on a Zen 5, where a step takes ~0.1 ms)
+    assert lengths[0] >= 1 and lengths[-1] == 60 and lengths == sorted(set(lengths))
     # The outputs of the steps that ended while the loop was blocked came as one (the finished one, never
     # replaced, on its own).
-    assert lengths[2] >= 2 + len(during) - 1, (lengths, len(during))
+    assert lengths[2] >= lengths[1] + len(during) - 1, (lengths, len(during))
     assert len(lengths) <= 60 - len(during) + 2, (lengths, len(during))
     assert tokens == expected  # nothing lost in the merge
     assert not engine.has_unfinished_requests()

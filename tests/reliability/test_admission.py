@@ -16,11 +16,12 @@ from reliability_harness import leaked_blocks, metric, serve, stream_completion,
 
 SHORT = {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
 NO_LEAK = {"device_blocks": 0, "cpu_blocks": 0, "block_tables": 0}
-# ~1-3 s to compile on one core (xgrammar's compile time grows faster than the schema).
+# ~1 s to compile on a Zen 5 core, more on slower ones (xgrammar's compile time grows faster than the schema; 100
+# keys compiled in 0.4 s there, too fast for the stall the test needs).
 SLOW_SCHEMA = {"type": "object", "properties": {
     f"k{j}": {"type": "array", "items": {"type": "object", "properties": {f"a{k}": {"type": "integer"}
                                                                          for k in range(20)}}}
-    for j in range(100)}}
+    for j in range(200)}}
 
 
 @pytest.fixture(scope="module", params=["in-process", "core-process"])

@@ -14,17 +14,18 @@ from serving_harness import sse_events
 
 SHUTDOWN_TIMEOUT_S = 4
 PROMPT = [1000, 2000, 3000]
-# Long enough that no machine finishes one within the timeout: these are the requests the shutdown must end.
-LONG_TOKENS = 4000
+# Long enough that no machine finishes one within the timeout: these are the requests the shutdown must end (a Zen 5
+# ran 4000 tiny steps at batch 3 in ~4 s: 8000, at ~1 ms a step there).
+LONG_TOKENS = 8000
 
 
 @pytest.fixture(scope="module")
 def long_context_llama(tmp_path_factory, default_model_dir):
-    """The tiny random Llama with a 4096-token context, so a request can outlast the shutdown timeout."""
+    """The tiny random Llama with an 8192-token context, so a request can outlast the shutdown timeout."""
     from tiny_models import save_random_model, tiny_llama_config
 
     folder = tmp_path_factory.mktemp("tiny-llama-4k")
-    return save_random_model(tiny_llama_config(max_position_embeddings=4096), folder, default_model_dir)
+    return save_random_model(tiny_llama_config(max_position_embeddings=8192), folder, default_model_dir)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event) -> dict:
@@ -95,8 +96,8 @@ async def _scenario(base: str, proc) -> dict:
 
 def test_sigterm_stops_accepting_ends_in_flight_and_exits_0(long_context_llama, tmp_path):
     log = tmp_path / "server.log"
-    proc, base = start_cli_server([str(long_context_llama), "--max-model-len", "4096", "--num-gpu-blocks-override",
-                                   "1100", "--num-cpu-blocks-override", "16", "--max-num-seqs", "3",
+    proc, base = start_cli_server([str(long_context_llama), "--max-model-len", "8192", "--num-gpu-blocks-override",
+                                   "1600", "--num-cpu-blocks-override", "16", "--max-num-seqs", "3",
                                    "--served-model-name", "tiny", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
                                    "--disable-log-stats"], log)
     try:
@@ -122,7 +123,7 @@ def test_sigterm_stops_accepting_ends_in_flight_and_exits_0(long_context_llama, 
     })
     assert code == 0, text[-3000:]
     # --num-cpu-blocks-override sized the swap pool, --num-gpu-blocks-override the KV cache.
-    assert 'num_cpu_blocks="16"' in result["cache_config"] and 'num_device_blocks="1100"' in result["cache_config"]
+    assert 'num_cpu_blocks="16"' in result["cache_config"] and 'num_device_blocks="1600"' in result["cache_config"]
     for s in result["shorts"]:
         assert s["status"] == 200 and s["events"][-1] == "[DONE]" and s["usage"]["completion_tokens"] == 6, s
     assert result["refused"] is not None, "the server kept accepting after SIGTERM"
