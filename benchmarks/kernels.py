@@ -12,9 +12,10 @@ whose first half is read back from the prefix cache). `quant` times ops.kquant_g
 and an [8192, 2048] weight at --quant-rows rows (a decode step reads every weight once: GB/s of packed weight
 bytes is the figure; run it again under PAGEDSERVE_CPU_ISA=avx2 for an AVX2 CPU's paths; with OMP_NUM_THREADS=1 it
 times the thread's CPU clock, not the wall clock). `q8` times ops.q8_gemm per forced path (--q8-paths) and torch's
-float32 linear over --q8-shapes and --q8-rows (GB/s of the weight read, GFLOP/s). `moe` times ops.moe_experts over
-GGUF-typed experts (--moe-types, gate:up:down each; e.g. a Q4_K_M file's Q4_K:Q4_K:Q6_K against Q8_0:Q8_0:Q8_0) at
---moe-shape (hidden x expert intermediate x experts x top-k; default A3B-like) and --moe-rows decode rows, each row's
+linear on the float weight (path "float32") over --q8-shapes and --q8-rows (GB/s of the weight read, GFLOP/s); x and
+out of both are --dtype (float32 or bfloat16; the panels multiply bfloat16 where the CPU has AVX-512 BF16). `moe`
+times ops.moe_experts over GGUF-typed experts (--moe-types, gate:up:down each; e.g. a Q4_K_M file's Q4_K:Q4_K:Q6_K
+against Q8_0:Q8_0:Q8_0) at --moe-shape (hidden x expert intermediate x experts x top-k; default A3B-like) and --moe-rows decode rows, each row's
 experts drawn at random: ms, the expert bytes moe_bytes_read counts and their GB/s. Prints tables and writes JSON
 (default benchmarks/results/kernels.json).
 """
@@ -177,8 +178,8 @@ def bench_q8(n: int, k: int, rows: int, paths: list[str], args) -> list[dict]:
             sec, nbytes = time_it(lambda: ops.q8_gemm(out, x, packed, None, isa)), packed.numel()
         else:
             continue
-        results.append(dict(op="q8", path=path, n=n, k=k, rows=rows, dtype=str(x.dtype), ms=sec * 1e3, gb_s=nbytes / sec / 1e9,
-                            gflop_s=2 * rows * n * k / sec / 1e9, clock=clock))
+        results.append(dict(op="q8", path=path, n=n, k=k, rows=rows, dtype=str(x.dtype), ms=sec * 1e3,
+                            gb_s=nbytes / sec / 1e9, gflop_s=2 * rows * n * k / sec / 1e9, clock=clock))
     return results
 
 
@@ -227,7 +228,7 @@ def main() -> None:
     p.add_argument("--formats", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K", help="quant: GGML types")
     p.add_argument("--quant-rows", type=int, nargs="*", default=[1, 8])
     p.add_argument("--q8-paths", default="avx2,panel,float32",
-                   help=f"q8: q8_gemm paths forced ({', '.join(Q8_PATHS)}; float32: torch's linear)")
+                   help=f"q8: q8_gemm paths forced ({', '.join(Q8_PATHS)}; float32: torch's linear in --dtype)")
     p.add_argument("--q8-shapes", nargs="*", default=["2048x2048", "2048x8192", "8192x2048"], help="q8: NxK")
     p.add_argument("--q8-rows", type=int, nargs="*", default=[1, 4, 8, 32, 128, 512])
     p.add_argument("--moe-types", nargs="*", default=["Q4_K:Q4_K:Q6_K", "Q4_K:Q4_K:Q4_K", "Q8_0:Q8_0:Q8_0"],
