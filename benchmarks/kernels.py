@@ -16,8 +16,8 @@ linear on the float weight (path "float32") over --q8-shapes and --q8-rows (GB/s
 out of both are --dtype (float32 or bfloat16; the panels multiply bfloat16 where the CPU has AVX-512 BF16). `moe`
 times ops.moe_experts over GGUF-typed experts (--moe-types, gate:up:down each; e.g. a Q4_K_M file's Q4_K:Q4_K:Q6_K
 against Q8_0:Q8_0:Q8_0) at --moe-shape (hidden x expert intermediate x experts x top-k; default A3B-like) and
---moe-rows decode rows, each row's experts drawn at random: ms, the expert bytes moe_bytes_read counts and their GB/s. Prints tables and writes JSON
-(default benchmarks/results/kernels.json).
+--moe-rows decode rows, each row's experts drawn at random: ms, the expert bytes moe_bytes_read counts and their
+GB/s. Prints tables and writes JSON (default benchmarks/results/kernels.json).
 """
 from __future__ import annotations
 
