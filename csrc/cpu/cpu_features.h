@@ -29,6 +29,13 @@ inline bool cpu_has_bf16_dot() {
 #endif
 }
 
+// A dequantized panel's dtype: bfloat16 where x and out are bfloat16 and the CPU multiplies bfloat16 natively, else
+// float32 (a float32 row, the head's float32 logits included, keeps float32 products).
+inline at::ScalarType panel_dtype(const at::Tensor& x, const at::Tensor& out) {
+  return x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot() ? at::kBFloat16
+                                                                                                     : at::kFloat;
+}
+
 // Where a tile writes: float32 or bfloat16 rows, the bias, and the valid columns.
 struct Out {
   float* f32;

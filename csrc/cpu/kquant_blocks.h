@@ -169,13 +169,6 @@ struct V256 {
   template <int N>
   static I srl32(I v) { return _mm256_srli_epi32(v, N); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static void store(c10::BFloat16* p, F v) {  // rounded to nearest even (finite values: no NaN care)
-    const I bits = _mm256_castps_si256(v);
-    const I odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), set32(1));
-    const I r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, set32(0x7fff)), odd), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-  }
 };
 
 #if defined(__AVX512F__)
@@ -229,7 +222,7 @@ struct V512 {
   template <int N>
   static I srl32(I v) { return _mm512_srli_epi32(v, N); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static void store(c10::BFloat16* p, F v) {  // rounded to nearest even, as V256's
+  static void store(c10::BFloat16* p, F v) {  // rounded to nearest even (finite values: no NaN care)
     const I bits = _mm512_castps_si512(v);
     const I odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), set32(1));
     const I r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, set32(0x7fff)), odd), 16);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -136,7 +137,9 @@ void dequant_panel(Isa isa, const uint8_t* w, int64_t sb, int64_t b0, int64_t b1
       if (isa >= kAvx512) { simd_dequant<V512<false>, F>(wb, s0, s1, dst + p * kCols, ld); continue; }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-      if (isa >= kAvx2) { simd_dequant<V256, F>(wb, s0, s1, dst + p * kCols, ld); continue; }
+      if constexpr (std::is_same_v<T, float>) {  // bfloat16 panels need AVX-512 BF16: the branch above
+        if (isa >= kAvx2) { simd_dequant<V256, F>(wb, s0, s1, dst + p * kCols, ld); continue; }
+      }
 #endif
       plain_dequant<F>(wb, s0, s1, dst + p * kCols, ld);
     }
@@ -151,8 +154,8 @@ void dequant_panel(Isa isa, const uint8_t* w, int64_t sb, int64_t b0, int64_t b1
 template <class F>
 void run_panels(Isa isa, at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n, const at::Tensor& bias) {
   const int64_t k = x.size(1), sb = k / F::kS, blocks = (n + kCols - 1) / kCols;
-  const bool bf16 = x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot();
-  const at::ScalarType pt = bf16 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType pt = panel_dtype(x, out);
+  const bool bf16 = pt == at::kBFloat16;
   const int64_t esize = bf16 ? 2 : 4;
   const int64_t panel_blocks = std::min(blocks, std::max<int64_t>(1, kPanelBytes / (k * esize * kCols)));
   const at::Tensor xin = x.scalar_type() == pt ? x : x.to(pt);

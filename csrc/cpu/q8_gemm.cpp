@@ -16,9 +16,9 @@
 //     by its column's d, 16 columns a zmm (a decode step is bound by reading the weights, not by this arithmetic).
 //   kVnni (AVX-512 VNNI; the default, but for bfloat16 panels from kPanelRowsVnni / kPanelRowsBf16 rows): each
 //     row of x is split per 32-block into two int8 parts, x = dx * (xh + xl / 254) with dx = amax / 127,
-//     xh = round(x / dx) and xl = round(254 (x / dx - xh)), and vpdpbusd sums 4 products (q + 128) * xh (and * xl) a lane. The offset is
-//     taken off per block with the row's 128 * sum(xh) (and xl), so both sums are exact in int32; then
-//     acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest value,
+//     xh = round(x / dx) and xl = round(254 (x / dx - xh)), and vpdpbusd sums 4 products (q + 128) * xh (and * xl)
+//     a lane. The offset is taken off per block with the row's 128 * sum(xh) (and xl), so both sums are exact in
+//     int32; then acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest value,
 //     finer than bfloat16's rounding of x itself: one part alone (llama.cpp's Q8_0 x Q8_0 dot) moved SmolLM2's
 //     greedy outputs off the float product's (204 of 256 tokens).
 //   kAvx2 (AVX2 + FMA; the default on AVX2 CPUs below kPanelRowsAvx2 rows): x in kVnni's two int8 parts, folded into
@@ -103,13 +103,6 @@ bool cpu_has_amx_bf16() {
 #else
   return false;
 #endif
-}
-
-// The panel's dtype: bfloat16 where x and out are bfloat16 and the CPU multiplies bfloat16 natively, else float32
-// (a float32 row, the head's float32 logits included, keeps float32 products).
-at::ScalarType panel_dtype(const at::Tensor& x, const at::Tensor& out) {
-  return x.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot() ? at::kBFloat16
-                                                                                                     : at::kFloat;
 }
 
 // Whether m rows go through the panels (measured on an AMX Xeon: docs/benchmarks.md, "int8 weights against
