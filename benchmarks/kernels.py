@@ -153,7 +153,7 @@ def linear_dtype(args) -> torch.dtype:
 
 
 Q8_PATHS = {"float32": None, "avx2": ops.Q8_GEMM_AVX2, "avx512": ops.Q8_GEMM_AVX512,
-            "vnni": ops.Q8_GEMM_VNNI, "panel": ops.Q8_GEMM_PANEL, "auto": ops.Q8_GEMM_AUTO}
+            "vnni": ops.Q8_GEMM_VNNI, "x16": ops.Q8_GEMM_X16, "panel": ops.Q8_GEMM_PANEL, "auto": ops.Q8_GEMM_AUTO}
 
 
 def bench_q8(n: int, k: int, rows: int, paths: list[str], args) -> list[dict]:
@@ -174,7 +174,8 @@ def bench_q8(n: int, k: int, rows: int, paths: list[str], args) -> list[dict]:
         isa = Q8_PATHS[path]
         if path == "float32":
             sec, nbytes = time_it(lambda: F.linear(x, wf)), wf.numel() * wf.element_size()
-        elif isa in (ops.Q8_GEMM_AUTO, ops.Q8_GEMM_PANEL) or isa <= ops.q8_gemm_isa():
+        elif (isa in (ops.Q8_GEMM_AUTO, ops.Q8_GEMM_PANEL) or isa <= ops.q8_gemm_isa()
+              or (isa == ops.Q8_GEMM_X16 and ops.q8_gemm_isa() >= ops.Q8_GEMM_AVX2)):
             sec, nbytes = time_it(lambda: ops.q8_gemm(out, x, packed, None, isa)), packed.numel()
         else:
             continue

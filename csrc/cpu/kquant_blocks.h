@@ -31,7 +31,7 @@ namespace kquant {
 constexpr int64_t kCols = 16;
 constexpr int64_t kMinBlocksPerThread = 4;  // column blocks: a second thread costs more below this
 
-enum Isa : int64_t { kAuto = 0, kPlain = 1, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
+enum Isa : int64_t { kAuto = 0, kPlain = 1, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kX16 = 6, kPanel = 7 };
 enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 // A format's geometry: Bits of a code, S weights a block, Sub weights a sub-scale (0: none), whether M is stored
@@ -102,8 +102,14 @@ struct XQuant {
   std::vector<int16_t> s16, s32;
   int64_t k = 0, s = 0;
   std::vector<int16_t> q16;  // the wide tiles' x16 = 254 xh + xl per row (kquant_wide.cpp), when asked for
+  std::vector<float> dx16, xs16, dx32, xs32;  // with q16, per row and unit of 16 / 32 k: x16's scale, scale * sum
   const int8_t* row(int64_t e) const { return q.data() + e * k; }
 };
+
+// x [M, K] (float32 or bfloat16) per block of s in the two parts (kquant_gemm.cpp); widen adds the wide tiles' and
+// the x16 panels' int16 form (q16 and its per-unit scales and sums) for its m rows.
+XQuant quantize_x(const at::Tensor& x, int64_t s);
+void widen(XQuant& xq, int64_t m);
 
 // Out (where a tile writes): cpu_features.h.
 inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, const float* v) {
@@ -168,6 +174,7 @@ struct V256 {
   static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
   template <int N>
   static I srl32(I v) { return _mm256_srli_epi32(v, N); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
@@ -221,6 +228,7 @@ struct V512 {
   static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
   template <int N>
   static I srl32(I v) { return _mm512_srli_epi32(v, N); }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static void store(c10::BFloat16* p, F v) {  // rounded to nearest even (finite values: no NaN care)
     const I bits = _mm512_castps_si512(v);
@@ -269,6 +277,19 @@ void panels(int64_t type, Isa isa, at::Tensor& out, const at::Tensor& x, const u
 // build has no wide tile for isa (plain C++).
 bool wide_tiles(int64_t type, Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1,
                 const Out& o);
+
+// kquant_x16.cpp: the same through x16 panels (a column block's codes widened once for all m rows); false where
+// this build or isa has none (AVX2 only).
+bool x16_panels(int64_t type, Isa isa, const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1,
+                const Out& o);
+
+// kquant_x16.cpp: out = x @ W^T for q8_gemm.cpp's packed Q8_0 (w its weights, d its float16 scales, n columns) through
+// x16 panels, split over the caller's OpenMP threads; false where this build has no AVX2 or K is not a multiple of 32.
+// Rows from which AVX2 takes the x16 panels (kquant_x16.cpp's measurements); PAGEDSERVE_KQUANT_X16=R moves it to R
+// (0: never), for measuring.
+int64_t x16_rows();
+
+bool q8_x16_panels(Isa isa, const at::Tensor& x, const uint8_t* w, const uint16_t* d, int64_t n, const Out& o);
 
 }  // namespace kquant
 }  // namespace cpu

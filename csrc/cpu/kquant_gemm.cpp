@@ -29,9 +29,10 @@
 // block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache) on VNNI; the wide tiles of
 // kquant_wide.cpp (x's parts joined into one int16, x16 = 254 xh + xl, against the codes widened once a tile: 4 rows
 // of x a tile on AVX2, 8 on AVX-512) on AVX2 and AVX-512 without VNNI, and on VNNI for Q6_K from kWideRowsVnni
-// rows; each part's column blocks split over the caller's OpenMP threads; and from a row threshold
-// (use_panels) the dequantized panels of kquant_panel.cpp: float32 W^T panels into torch's GEMM, the dequantized
-// model's own products.
+// rows; each part's column blocks split over the caller's OpenMP threads; from a row threshold (use_panels) the
+// dequantized panels of kquant_panel.cpp: float32 or bfloat16 W^T panels into torch's GEMM, the dequantized model's
+// own products; and on AVX2 from x16_rows() rows instead the x16 panels of kquant_x16.cpp (the wide tiles' products,
+// a column block's codes widened once for all rows: 1.5-1.7x the float32 panels at 128 rows on a Zen 5).
 //
 // Measured on the 2-vCPU Xeon @ 2.50GHz (Cascade Lake: AVX-512 VNNI, no BF16/AMX), one thread's CPU time, a
 // [2048, 8192] weight, while the machine's other 5 jobs ran (load ~11 on 2 cores: absolute figures are 1.5-2x a
@@ -69,27 +70,9 @@
 namespace pagedserve {
 namespace cpu {
 
+namespace kquant {
+
 namespace {
-
-using namespace kquant;
-
-constexpr int64_t kMagic = 0x4B51504B;
-constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
-constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
-constexpr int64_t kPanelRowsVnni = 128;  // rows from which the panels serve, VNNI tiles below (header)
-constexpr int64_t kPanelRowsBf16 = 64;   // the same where the panels are bfloat16 (AVX-512 BF16; header)
-constexpr int64_t kPanelRowsWiden = 32;  // the same for the wide tiles (AVX2, AVX-512 without VNNI)
-constexpr int64_t kWideRowsVnni = 8;     // rows from which VNNI takes the wide tiles for Q6_K (vpdpwssd)
-
-Isa best_isa() {
-#if defined(__AVX512F__)
-  return cpu_has_vnni() ? kVnni : kAvx512;
-#elif defined(__AVX2__) && defined(__FMA__)
-  return kAvx2;
-#else
-  return kPlain;
-#endif
-}
 
 inline void block_sums(const int8_t* q, int64_t k, int16_t* s16, int16_t* s32) {
   for (int64_t j = 0; j < k / 16; ++j) {
@@ -100,9 +83,6 @@ inline void block_sums(const int8_t* q, int64_t k, int16_t* s16, int16_t* s32) {
   for (int64_t j = 0; j < k / 32; ++j) s32[j] = static_cast<int16_t>(s16[2 * j] + s16[2 * j + 1]);
 }
 
-// One row's blocks: dx = amax / 127 (float32), t = x * (1 / dx), xh = round-half-even(t), xl = round-half-even(254 *
-// (t - xh)), x = dx * xh + (dx / 254) * xl to 1 / 64516 of the block's largest |x| (one part: 1 / 254, coarser than
-// bfloat16 itself); formats.py quantize_activations is the same arithmetic.
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t s, int8_t* qh, int8_t* ql, float* dh, float* dl) {
   for (int64_t b = 0; b < k / s; ++b) {
@@ -120,6 +100,8 @@ void quantize_row(const T* x, int64_t k, int64_t s, int8_t* qh, int8_t* ql, floa
     dl[b] = db / kLowSteps;
   }
 }
+
+}  // namespace
 
 XQuant quantize_x(const at::Tensor& x, int64_t s) {
   const int64_t m = x.size(0), k = x.size(1), e = kParts * m;
@@ -163,8 +145,52 @@ void widen(XQuant& xq, int64_t m) {
     for (int64_t i = 0; i < k; ++i)
       x16[(i & ~int64_t{3}) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(254 * qh[i] + ql[i]);
   }
+  // the x16 panels' per-unit scale and scaled sum (sum x16 = 254 sum xh + sum xl)
+  const int64_t ns = k / xq.s;
+  for (int u : {16, 32}) {
+    const int64_t nu = k / u;
+    std::vector<float>& dx = u == 16 ? xq.dx16 : xq.dx32;
+    std::vector<float>& xs = u == 16 ? xq.xs16 : xq.xs32;
+    const std::vector<int16_t>& sums = u == 16 ? xq.s16 : xq.s32;
+    dx.resize(m * nu);
+    xs.resize(m * nu);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < nu; ++j) {
+        const float d = xq.d[(kParts * r + 1) * ns + j * u / xq.s];
+        dx[r * nu + j] = d;
+        xs[r * nu + j] = d * static_cast<float>(254 * sums[kParts * r * nu + j] + sums[(kParts * r + 1) * nu + j]);
+      }
+  }
 }
 
+}  // namespace kquant
+
+namespace {
+
+using namespace kquant;
+
+constexpr int64_t kMagic = 0x4B51504B;
+constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
+constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
+constexpr int64_t kPanelRowsVnni = 128;  // rows from which the panels serve, VNNI tiles below (header)
+constexpr int64_t kPanelRowsBf16 = 64;   // the same where the panels are bfloat16 (AVX-512 BF16; header)
+constexpr int64_t kPanelRowsWiden = 32;  // the same for the wide tiles (AVX2, AVX-512 without VNNI)
+constexpr int64_t kWideRowsVnni = 8;     // rows from which VNNI takes the wide tiles for Q6_K (vpdpwssd)
+
+Isa best_isa() {
+#if defined(__AVX512F__)
+  return cpu_has_vnni() ? kVnni : kAvx512;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return kAvx2;
+#else
+  return kPlain;
+#endif
+}
+
+
+// One row's blocks: dx = amax / 127 (float32), t = x * (1 / dx), xh = round-half-even(t), xl = round-half-even(254 *
+// (t - xh)), x = dx * xh + (dx / 254) * xl to 1 / 64516 of the block's largest |x| (one part: 1 / 254, coarser than
+// bfloat16 itself); formats.py quantize_activations is the same arithmetic.
 template <class F>
 void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
   const int64_t sb = xq.k / F::kS;
@@ -361,9 +387,10 @@ void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int6
 // ------------------------------------------------------------------ driver
 
 template <class F>
-void run_format(int64_t type, Isa isa, bool wide, const XQuant& xq, int64_t m, const uint8_t* w, int64_t blocks,
-                const Out& o) {
+void run_format(int64_t type, Isa isa, bool wide, bool x16, const XQuant& xq, int64_t m, const uint8_t* w,
+                int64_t blocks, const Out& o) {
   over_threads(blocks, [&](int64_t b0, int64_t b1) {
+    if (x16 && x16_panels(type, isa, xq, m, w, b0, b1, o)) return;
     if (wide && wide_tiles(type, isa, xq, m, w, b0, b1, o)) return;
 #if defined(__AVX512F__)
     if (isa == kVnni) return simd_blocks<V512<true>, F>(xq, m, w, b0, b1, o);
@@ -444,8 +471,8 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
   TORCH_CHECK(x.size(1) == k && out.size(1) == n && out.size(0) == m, "kquant_gemm: x [", m, ", ", x.size(1),
               "] and out [", out.size(0), ", ", out.size(1), "] for a weight [", n, ", ", k, "]");
   const Isa best = best_isa();
-  const bool forced_panel = isa == kPanel;
-  const Isa use = isa == kAuto || forced_panel ? best : static_cast<Isa>(isa);
+  const bool forced_panel = isa == kPanel, forced_x16 = isa == kX16;
+  const Isa use = isa == kAuto || forced_panel || forced_x16 ? best : static_cast<Isa>(isa);
   TORCH_CHECK(use == kPlain || ((use == kAvx2 || use == kAvx512 || use == kVnni) && use <= best),
               "kquant_gemm: ISA path ", isa, " is not in this build or on this CPU (best ", best, ")");
   at::Tensor bias_f32;
@@ -474,7 +501,8 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     }
     const int64_t s = block_weights(type);
     const uint8_t* w = base + offset;
-    if (forced_panel || (isa == kAuto && use_panels(m, use, bf16_panels))) {
+    const bool x16 = forced_x16 || (isa == kAuto && use == kAvx2 && m >= x16_rows());
+    if (forced_panel || (isa == kAuto && !x16 && use_panels(m, use, bf16_panels))) {
       const at::Tensor b = bias_f32.defined() ? bias_f32.narrow(0, col, rows) : at::Tensor();
       panels(type, use, o_part, x, w, rows, b);
       col += rows;
@@ -483,19 +511,19 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     const bool wide = use_wide(use, m, type);
     XQuant& xq = s == 32 ? x32 : x256;
     if (xq.k == 0) xq = quantize_x(x, s);
-    if (wide && xq.q16.empty()) widen(xq, m);  // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K)
+    if ((wide || x16) && xq.q16.empty()) widen(xq, m);  // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K)
     const bool f32 = out.scalar_type() == at::kFloat;
     const Out o{f32 ? o_part.data_ptr<float>() : nullptr, f32 ? nullptr : o_part.data_ptr<c10::BFloat16>(),
                 out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() + col : nullptr, rows};
     const int64_t blocks = (rows + kCols - 1) / kCols;
     switch (type) {
-      case kQ4_0: run_format<FQ4_0>(type, use, wide, xq, m, w, blocks, o); break;
-      case kQ4_1: run_format<FQ4_1>(type, use, wide, xq, m, w, blocks, o); break;
-      case kQ5_0: run_format<FQ5_0>(type, use, wide, xq, m, w, blocks, o); break;
-      case kQ5_1: run_format<FQ5_1>(type, use, wide, xq, m, w, blocks, o); break;
-      case kQ4_K: run_format<FQ4_K>(type, use, wide, xq, m, w, blocks, o); break;
-      case kQ5_K: run_format<FQ5_K>(type, use, wide, xq, m, w, blocks, o); break;
-      case kQ6_K: run_format<FQ6_K>(type, use, wide, xq, m, w, blocks, o); break;
+      case kQ4_0: run_format<FQ4_0>(type, use, wide, x16, xq, m, w, blocks, o); break;
+      case kQ4_1: run_format<FQ4_1>(type, use, wide, x16, xq, m, w, blocks, o); break;
+      case kQ5_0: run_format<FQ5_0>(type, use, wide, x16, xq, m, w, blocks, o); break;
+      case kQ5_1: run_format<FQ5_1>(type, use, wide, x16, xq, m, w, blocks, o); break;
+      case kQ4_K: run_format<FQ4_K>(type, use, wide, x16, xq, m, w, blocks, o); break;
+      case kQ5_K: run_format<FQ5_K>(type, use, wide, x16, xq, m, w, blocks, o); break;
+      case kQ6_K: run_format<FQ6_K>(type, use, wide, x16, xq, m, w, blocks, o); break;
       default: TORCH_CHECK(false, "kquant_gemm: GGML type ", type, " has no kernel");
     }
     col += rows;

@@ -43,6 +43,9 @@
 //     (torch's float32 linear on the dequantized weight: 1.86, 7.10, 7.26 ms at 1 row; the machine was shared, so
 //     figures move by ~20 %.) The integer tiles run 25-45 GFLOP/s; float32 panels overtake them between 48 and 64
 //     rows (48 rows: equal within noise on all three shapes; 64: panels 1.0-1.4x faster): kPanelRowsAvx2.
+//   kX16 (AVX2's default from kquant::x16_rows() rows, where float32 panels would serve): kAvx2's products against
+//     a column block's weights sign-extended to int16 once for all rows (csrc/cpu/kquant_x16.cpp: 128 rows of a
+//     [2048, 8192] weight on a Zen 5's AVX2 build 27 ms, against 38 for the kAvx2 tiles and 44 for float32 panels).
 //   kPanel (a prefill, a wide decode batch: use_panels): the weights are dequantized a panel of columns at a time
 //     into W^T [K, P] (bfloat16 where the CPU multiplies bfloat16 natively and x and out are bfloat16, float32
 //     otherwise; 4 MiB) and multiplied by torch's GEMM (oneDNN: AMX tiles or AVX-512 BF16 / FMA). At 128 bfloat16
@@ -72,6 +75,7 @@
 
 #include "../ops.h"
 #include "cpu_features.h"
+#include "kquant_blocks.h"  // the x16 panels (kquant_x16.cpp)
 
 namespace pagedserve {
 namespace cpu {
@@ -87,7 +91,7 @@ constexpr int64_t kMinBlocksPerThread = 8;     // a second thread costs more tha
 constexpr int64_t kMinBlocksPerThreadWide = 2;
 constexpr int64_t kPrefetchAhead = 16;        // cache lines of a weight stream prefetched ahead (into L2)
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kPanel = 7 };
+enum Isa : int64_t { kAuto = 0, kAvx2 = 2, kAvx512 = 3, kVnni = 5, kX16 = 6, kPanel = 7 };
 
 constexpr int64_t kPanelBytes = 4 << 20;  // one dequantized panel of W^T (beat 1 MiB panels from 128 rows up)
 constexpr int64_t kPanelRowsVnni = 48;    // bfloat16 panels from this many rows on a VNNI CPU with AMX
@@ -652,8 +656,10 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
     bias_f32 = bias->detach().to(at::kFloat).contiguous();  // an inference op (a Parameter may require grad)
   }
   const Isa best = best_isa();
-  const bool panel = isa == kPanel || (isa == kAuto && use_panels(m, panel_dtype(x, out)));
-  const Isa use = isa != kAuto && !panel ? static_cast<Isa>(isa) : best;
+  // AVX2: the x16 panels (csrc/cpu/kquant_x16.cpp) from kquant::x16_rows() rows, the float32 panels never
+  const bool x16 = isa == kX16 || (isa == kAuto && best == kAvx2 && m >= kquant::x16_rows());
+  const bool panel = !x16 && (isa == kPanel || (isa == kAuto && use_panels(m, panel_dtype(x, out))));
+  const Isa use = isa != kAuto && !panel && !x16 ? static_cast<Isa>(isa) : best;
   TORCH_CHECK(use != kAuto && (use == kAvx2 || use == kAvx512 || use == kVnni) && use <= best, "q8_gemm: ISA path ",
               isa, " is not in this build or on this CPU (best ", best, ")");
   if (m == 0 || n == 0) return;
@@ -662,6 +668,7 @@ void q8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, con
   const bool f32 = out.scalar_type() == at::kFloat;
   const Out o{f32 ? out.data_ptr<float>() : nullptr, f32 ? nullptr : out.data_ptr<c10::BFloat16>(), out.stride(0),
               bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr, n};
+  if (x16 && kquant::q8_x16_panels(static_cast<kquant::Isa>(use), x, base, st.s, n, o)) return;
   if (panel) return gemm_panels(out, x, st, n, k, bias_f32);
   const bool small = m <= kSmallRows;
   const int64_t min_blocks = small ? kMinBlocksPerThread : kMinBlocksPerThreadWide;

@@ -339,9 +339,10 @@ def _small_gemm_module(isa: int, *tensors: torch.Tensor):
 
 # q8_gemm's paths (csrc/cpu/q8_gemm.cpp): AVX2 and VNNI (the defaults where the CPU has them) split x per 32-block into
 # two int8 parts and sum exactly in int32 (vpmaddwd, vpdpbusd); AVX-512 without VNNI widens the int8 weights to float32
-# (x in float32); PANEL dequantizes the weights a panel at a time for torch's GEMM (the default from a few dozen rows
-# on AVX2 and AMX CPUs: a prefill).
-Q8_GEMM_AUTO, Q8_GEMM_AVX2, Q8_GEMM_AVX512, Q8_GEMM_VNNI, Q8_GEMM_PANEL = 0, 2, 3, 5, 7
+# (x in float32); X16 is AVX2's int16 product against a column block's weights widened once (csrc/cpu/kquant_x16.cpp:
+# AVX2's default for a prefill); PANEL dequantizes the weights a panel at a time for torch's GEMM (the default from a
+# few dozen rows on AMX and AVX-512 BF16 CPUs).
+Q8_GEMM_AUTO, Q8_GEMM_AVX2, Q8_GEMM_AVX512, Q8_GEMM_VNNI, Q8_GEMM_X16, Q8_GEMM_PANEL = 0, 2, 3, 5, 6, 7
 
 
 def q8_gemm_isa() -> int:
@@ -362,9 +363,10 @@ def q8_gemm(out: torch.Tensor,  # [rows, N] float32 or bfloat16
 
 
 # kquant_gemm's paths (csrc/cpu/kquant_gemm.cpp): PLAIN C++, AVX2 (vpmaddwd on x's parts joined in int16:
-# kquant_wide.cpp), AVX-512 (the same on zmm), VNNI (vpdpbusd; vpdpwssd for Q6_K from 8 rows), PANEL (dequantized panels
-# into torch's GEMM; AUTO takes it from a row threshold).
-KQUANT_AUTO, KQUANT_PLAIN, KQUANT_AVX2, KQUANT_AVX512, KQUANT_VNNI, KQUANT_PANEL = 0, 1, 2, 3, 5, 7
+# kquant_wide.cpp), AVX-512 (the same on zmm), VNNI (vpdpbusd; vpdpwssd for Q6_K from 8 rows), X16 (the same int16
+# products against a column block's codes widened once: kquant_x16.cpp; AUTO takes it for a prefill on AVX2), PANEL
+# (dequantized panels into torch's GEMM; AUTO takes it from a row threshold elsewhere).
+KQUANT_AUTO, KQUANT_PLAIN, KQUANT_AVX2, KQUANT_AVX512, KQUANT_VNNI, KQUANT_X16, KQUANT_PANEL = 0, 1, 2, 3, 5, 6, 7
 
 
 def kquant_gemm_isa() -> int:

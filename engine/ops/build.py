@@ -34,7 +34,7 @@ _SOURCES_CPU = (
     "bindings.cpp", "cpu/attention.cpp", "cpu/prefill_attention.cpp", "cpu/cache.cpp", "cpu/layernorm.cpp",
     "cpu/activation.cpp", "cpu/pos_encoding.cpp", "cpu/sampling.cpp", "cpu/small_gemm.cpp", "cpu/decode_layers.cpp",
     "cpu/q8_gemm.cpp", "cpu/kquant_gemm.cpp", "cpu/kquant_panel.cpp", "cpu/kquant_pack.cpp", "cpu/kquant_wide.cpp",
-    "cpu/moe.cpp", "cpu/ggml_quantize.cpp",
+    "cpu/kquant_x16.cpp", "cpu/moe.cpp", "cpu/ggml_quantize.cpp",
 )
 _SOURCES_CUDA = (
     "cuda/attention_kernels.cu", "cuda/attention_f32.cu", "cuda/attention_f16.cu", "cuda/attention_bf16.cu",

@@ -18,6 +18,7 @@ from kernels.test_formats import random_rows
 BEST = ops.kquant_gemm_isa()
 pytestmark = pytest.mark.skipif(BEST == 0, reason="no compiled kquant_gemm")
 TILES = [isa for isa in (ops.KQUANT_PLAIN, ops.KQUANT_AVX2, ops.KQUANT_AVX512, ops.KQUANT_VNNI) if isa <= BEST]
+TILES += [ops.KQUANT_X16] if BEST >= ops.KQUANT_AVX2 else []  # the x16 panels: AVX2 registers, any SIMD build
 ISAS = TILES + [ops.KQUANT_PANEL]
 KQUANTS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 SCALE = {"Q4_K": 1e-3, "Q5_K": 1e-3, "Q6_K": 1e-4}  # float16 d: weights of order 0.1 to 1
@@ -89,7 +90,8 @@ def test_auto_takes_the_tiles_for_a_decode_step_and_the_panels_for_a_prefill():
     fmt = FORMATS["Q4_K"]
     raw = _rows("Q4_K", 40, 512, 3)
     blob = pack_parts([(fmt, raw)])
-    for rows, path in ((1, BEST), (300, ops.KQUANT_PANEL)):
+    prefill = ops.KQUANT_X16 if BEST == ops.KQUANT_AVX2 else ops.KQUANT_PANEL  # AVX2: the x16 panels
+    for rows, path in ((1, BEST), (300, prefill)):
         x = torch.randn(rows, 512)
         auto = ops.kquant_gemm(torch.empty(rows, 40), x, blob, None)
         assert torch.equal(auto, ops.kquant_gemm(torch.empty(rows, 40), x, blob, None, path))

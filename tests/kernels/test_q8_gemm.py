@@ -19,9 +19,12 @@ from kernels.conftest import torch_threads
 BEST = ops.q8_gemm_isa()
 pytestmark = pytest.mark.skipif(BEST == 0, reason="the compiled kernels have no int8 GEMM path on this CPU")
 
-ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST] + [ops.Q8_GEMM_PANEL]
-# The paths that split x per 32-block into two int8 parts and sum exactly in int32 (AVX2: vpmaddwd, VNNI: vpdpbusd).
-TWO_PARTS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_VNNI) if isa <= BEST]
+# X16: the x16 panels (csrc/cpu/kquant_x16.cpp, AVX2 registers: any SIMD build), AVX2's prefill path
+X16 = [ops.Q8_GEMM_X16] if BEST >= ops.Q8_GEMM_AVX2 else []
+ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST] + X16 + [ops.Q8_GEMM_PANEL]
+# The paths that split x per 32-block into two int8 parts and sum exactly in int32 (AVX2 and X16: vpmaddwd, VNNI:
+# vpdpbusd).
+TWO_PARTS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_VNNI) if isa <= BEST] + X16
 # (N, K): whole blocks, N and K ragged, N under one block, SmolLM2's and the 1B model's widths.
 SHAPES = [(64, 64), (37, 70), (5, 32), (200, 1000), (1536, 576), (256, 2048)]
 # The panel path multiplies bfloat16 x with bfloat16 panels into bfloat16 rows where the CPU has bfloat16 dot
