@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(BEST == 0, reason="the compiled kernels have no 
 
 # X16: the x16 panels (csrc/cpu/kquant_x16.cpp, AVX2 registers: any SIMD build), AVX2's prefill path
 X16 = [ops.Q8_GEMM_X16] if BEST >= ops.Q8_GEMM_AVX2 else []
-ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST] + X16 + [ops.Q8_GEMM_PANEL]
+ISAS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_AVX512, ops.Q8_GEMM_VNNI) if isa <= BEST]
+ISAS += X16 + [ops.Q8_GEMM_PANEL]
 # The paths that split x per 32-block into two int8 parts and sum exactly in int32 (AVX2 and X16: vpmaddwd, VNNI:
 # vpdpbusd).
 TWO_PARTS = [isa for isa in (ops.Q8_GEMM_AVX2, ops.Q8_GEMM_VNNI) if isa <= BEST] + X16
