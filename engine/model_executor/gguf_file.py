@@ -175,6 +175,22 @@ def read_bytes(f, info: _Info, start: int = 0, nbytes: Optional[int] = None, buf
     return buf
 
 
+class FileRows:
+    """A tensor's rows read from the file when sliced (uint8 [rows, row_bytes]; rows[r0:r1] reads those rows): the
+    packers (layers/formats.py row_chunks) take a large linear a chunk at a time, so the load holds one chunk of its
+    file bytes beside the packed copy, not all of them (the 1.17B's Q6_K head: 54 MB)."""
+
+    def __init__(self, f, info: _Info, row_bytes: int):
+        self.f, self.info, self.shape = f, info, (info.shape[0], row_bytes)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        r0, r1, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("FileRows: contiguous row ranges only")
+        rb = self.shape[1]
+        return read_bytes(self.f, self.info, r0 * rb, (r1 - r0) * rb).view(r1 - r0, rb)
+
+
 def is_linear(info: _Info) -> bool:
     """A linear layer's weight (attention, MLP, the head)."""
     return info.name.endswith(".weight") and (info.name.split(".")[-2] in LINEAR_PARTS or info.name == "output.weight")

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.model_executor.gguf_file import (ARCHS, FLOAT_TYPES, _Info, header, hf_name, is_linear, map_rows,
-                                             read_bytes, unpermute_rows, vector_tensors)
+from engine.model_executor.gguf_file import (ARCHS, FLOAT_TYPES, FileRows, _Info, header, hf_name, is_linear,
+                                             map_rows, read_bytes, unpermute_rows, vector_tensors)
 from engine.model_executor.layers import formats
 from engine.model_executor.layers.cpu_linear import _trim_heap
 from engine.model_executor.layers.ggml_linears import (attach_block_embedding, registry_format, rows_dequantizer,
@@ -151,12 +151,16 @@ def load_native_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype
         def part(name: str) -> tuple[formats.WeightFormat, torch.Tensor]:
             """One tensor's rows as (format, raw uint8 [rows, row_bytes]) in HF's row order."""
             info = info_of(name)
-            raw = read_bytes(f, info).view(info.shape[0], -1)
             fmt = registry_format(info.kind)
+            kind = name.rsplit(".", 1)[-1]
+            if (fmt is not None and fmt.native() and info.nbytes > formats.PACK_CHUNK_BYTES
+                    and not (arch == "llama" and kind in heads)):
+                counts[fmt.name] = counts.get(fmt.name, 0) + 1
+                return fmt, FileRows(f, info, info.nbytes // info.shape[0])  # packed a chunk of rows at a time
+            raw = read_bytes(f, info).view(info.shape[0], -1)
             if fmt is None:
                 dequantized.setdefault(info.kind, []).append(info.name)
                 raw, fmt = _requantized(raw, info), registry_format(HELD_AS)
-            kind = name.rsplit(".", 1)[-1]
             if arch == "llama" and kind in heads:
                 raw = raw[unpermute_rows(raw.shape[0], heads[kind])]
             counts[fmt.name] = counts.get(fmt.name, 0) + 1

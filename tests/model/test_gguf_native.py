@@ -207,6 +207,30 @@ def test_quantization_flag_quantizes_a_float_checkpoint(hf_dir, tmp_path, quanti
     assert agree >= 0.95, agree
 
 
+def test_large_linears_pack_a_chunk_of_rows_at_a_time(mixed_gguf, monkeypatch):
+    """A linear larger than formats.PACK_CHUNK_BYTES (but q / k, whose rows are permuted) is read from the file a
+    chunk of rows at a time as it is packed (gguf_file.FileRows), so the load holds one chunk of its file bytes:
+    with the chunk shrunk to 2 KiB every such linear here packs in several chunks, and every linear multiplies
+    exactly as the whole-tensor load's."""
+    from engine.model_executor import gguf_file
+
+    whole = _load(model=str(mixed_gguf))
+    reads = []
+    getitem = gguf_file.FileRows.__getitem__
+    monkeypatch.setattr(gguf_file.FileRows, "__getitem__",
+                        lambda self, rows: reads.append(self.info.name) or getitem(self, rows))
+    monkeypatch.setattr(formats, "PACK_CHUNK_BYTES", 2048)
+    chunked = _load(model=str(mixed_gguf))
+    assert "output.weight" in reads and "blk.0.ffn_down.weight" in reads
+    assert not any(".attn_q." in r or ".attn_k." in r for r in reads)
+    assert all(reads.count(name) > 1 for name in set(reads))  # several chunks each
+    gen = torch.Generator().manual_seed(2)
+    for name, m in whole.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            x = torch.randn(3, m.in_features, generator=gen)
+            assert torch.equal(chunked.get_submodule(name)(x), m(x)), name
+
+
 _PEAK = """
 import sys, resource
 from engine.config import EngineConfig

@@ -240,6 +240,21 @@ def _packed_block_bytes(fmt: WeightFormat) -> int:
     return j32 * (256 + hi) + 2 * COLS + (2 * COLS if _stores_m(fmt) else 0) + (subs + mins) * COLS
 
 
+PACK_CHUNK_BYTES = 8 << 20  # raw bytes the compiled packers take at a time: a lazily read part holds only these
+
+
+def row_chunks(raw) -> list[tuple[int, int]]:
+    """Row ranges of about PACK_CHUNK_BYTES that start on a 16-column block (the last one ends at the last row)."""
+    n, row_bytes = raw.shape
+    step = max(COLS, PACK_CHUNK_BYTES // max(1, row_bytes) // COLS * COLS)
+    return [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+
+
+def rows_tensor(raw) -> torch.Tensor:
+    """A part's raw rows as a tensor: raw itself, or all of a lazily read part's rows (gguf_file.FileRows)."""
+    return raw if isinstance(raw, torch.Tensor) else raw[:]
+
+
 def pack_kquant(fmt: WeightFormat, raw: torch.Tensor, out: Optional[torch.Tensor] = None, compiled: bool = True
                 ) -> torch.Tensor:
     """raw uint8 [N, row_bytes] of fmt (not Q8_0) in csrc/cpu/kquant_gemm.cpp's layout, 1-D uint8 of
@@ -252,8 +267,9 @@ def pack_kquant(fmt: WeightFormat, raw: torch.Tensor, out: Optional[torch.Tensor
     total = fmt.packed_bytes(n, k)
     if out is None:
         out = torch.empty(total, dtype=torch.uint8)
-    if compiled and ops.kquant_pack(raw, fmt.ggml_type, out):
+    if compiled and all(ops.kquant_pack(raw[r0:r1], fmt.ggml_type, out, r0, n) for r0, r1 in row_chunks(raw)):
         return out
+    raw = rows_tensor(raw)
     per_cols = total // -(-n // COLS)  # bytes per 16 columns
     for r0 in range(0, n, PACK_CHUNK_COLS):
         r1 = min(n, r0 + PACK_CHUNK_COLS)
@@ -313,12 +329,12 @@ def pack_q8_parts(parts: list[tuple[WeightFormat, torch.Tensor]], out: Optional[
             parts = [(fmt0, torch.cat([raw for _, raw in parts]))]
         row0 = 0
         for fmt, raw in parts:
-            if not ops.kquant_pack(raw, fmt.ggml_type, out, row0, n):
+            if not all(ops.kquant_pack(raw[r0:r1], fmt.ggml_type, out, row0 + r0, n) for r0, r1 in row_chunks(raw)):
                 break
             row0 += raw.shape[0]
         else:
             return out
-    q, d = zip(*[fmt.components(raw)[:2] for fmt, raw in parts])
+    q, d = zip(*[fmt.components(rows_tensor(raw))[:2] for fmt, raw in parts])
     return quant.pack_q8(torch.cat(q), torch.cat(d).half(), out)
 
 
@@ -392,7 +408,7 @@ def attach_quantized_linear(linear: nn.Linear, parts: list[tuple[WeightFormat, t
     linear._small_weight = pack_parts(parts) if native else None
     linear._small_max_rows = 1 << 62
     linear._packed_weight = None
-    linear._quant_raw = None if native else [(fmt, raw.contiguous()) for fmt, raw in parts]
+    linear._quant_raw = None if native else [(fmt, rows_tensor(raw).contiguous()) for fmt, raw in parts]
     if not native:
         logger.warning("no compiled kernel for %s here: a %d x %d linear dequantizes at every call",
                        "/".join(f.name for f, _ in parts), linear.out_features, linear.in_features)
