@@ -106,10 +106,10 @@ struct XQuant {
   const int8_t* row(int64_t e) const { return q.data() + e * k; }
 };
 
-// x [M, K] (float32 or bfloat16) per block of s in the two parts (kquant_gemm.cpp); widen adds the wide tiles' and
-// the x16 panels' int16 form (q16 and its per-unit scales and sums) for its m rows.
+// x [M, K] (float32 or bfloat16) per block of s in the two parts (kquant_gemm.cpp); widen adds the wide tiles'
+// int16 form (q16) for its m rows and, with sums, the x16 panels' per-unit scales and scaled sums.
 XQuant quantize_x(const at::Tensor& x, int64_t s);
-void widen(XQuant& xq, int64_t m);
+void widen(XQuant& xq, int64_t m, bool sums);
 
 // Out (where a tile writes): cpu_features.h.
 inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, const float* v) {

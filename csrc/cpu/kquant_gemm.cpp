@@ -83,6 +83,9 @@ inline void block_sums(const int8_t* q, int64_t k, int16_t* s16, int16_t* s32) {
   for (int64_t j = 0; j < k / 32; ++j) s32[j] = static_cast<int16_t>(s16[2 * j] + s16[2 * j + 1]);
 }
 
+// One row's blocks: dx = amax / 127 (float32), t = x * (1 / dx), xh = round-half-even(t), xl = round-half-even(254 *
+// (t - xh)), x = dx * xh + (dx / 254) * xl to 1 / 64516 of the block's largest |x| (one part: 1 / 254, coarser than
+// bfloat16 itself); formats.py quantize_activations is the same arithmetic.
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t s, int8_t* qh, int8_t* ql, float* dh, float* dl) {
   for (int64_t b = 0; b < k / s; ++b) {
@@ -135,7 +138,7 @@ XQuant quantize_x(const at::Tensor& x, int64_t s) {
 
 // The wide tiles' x (kquant_wide.cpp): x16 = 254 xh + xl per row, k in the order x0 x2 x1 x3 per 4 (vpmaddwd's
 // pairs against the codes of k 0, 2 and of k 1, 3).
-void widen(XQuant& xq, int64_t m) {
+void widen(XQuant& xq, int64_t m, bool sums) {
   const int64_t k = xq.k;
   xq.q16.resize(m * k);
   for (int64_t r = 0; r < m; ++r) {
@@ -145,6 +148,7 @@ void widen(XQuant& xq, int64_t m) {
     for (int64_t i = 0; i < k; ++i)
       x16[(i & ~int64_t{3}) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(254 * qh[i] + ql[i]);
   }
+  if (!sums) return;
   // the x16 panels' per-unit scale and scaled sum (sum x16 = 254 sum xh + sum xl)
   const int64_t ns = k / xq.s;
   for (int u : {16, 32}) {
@@ -187,10 +191,6 @@ Isa best_isa() {
 #endif
 }
 
-
-// One row's blocks: dx = amax / 127 (float32), t = x * (1 / dx), xh = round-half-even(t), xl = round-half-even(254 *
-// (t - xh)), x = dx * xh + (dx / 254) * xl to 1 / 64516 of the block's largest |x| (one part: 1 / 254, coarser than
-// bfloat16 itself); formats.py quantize_activations is the same arithmetic.
 template <class F>
 void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
   const int64_t sb = xq.k / F::kS;
@@ -511,7 +511,8 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     const bool wide = use_wide(use, m, type);
     XQuant& xq = s == 32 ? x32 : x256;
     if (xq.k == 0) xq = quantize_x(x, s);
-    if ((wide || x16) && xq.q16.empty()) widen(xq, m);  // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K)
+    // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K); x16 holds for every part of a call (m decides)
+    if ((wide || x16) && xq.q16.empty()) widen(xq, m, x16);
     const bool f32 = out.scalar_type() == at::kFloat;
     const Out o{f32 ? o_part.data_ptr<float>() : nullptr, f32 ? nullptr : o_part.data_ptr<c10::BFloat16>(),
                 out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() + col : nullptr, rows};

@@ -261,7 +261,7 @@ bool q8_x16_panels(Isa isa, const at::Tensor& x, const uint8_t* w, const uint16_
   const int64_t m = x.size(0), k = x.size(1);
   if (k % 32 != 0 || isa < kAvx2) return false;
   XQuant xq = quantize_x(x, 32);
-  widen(xq, m);
+  widen(xq, m, true);
   return run_q8<V256>(xq, m, w, d, n, o), true;
 #else
   (void)isa, (void)x, (void)w, (void)d, (void)n, (void)o;
