@@ -509,8 +509,10 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
       continue;
     }
     const bool wide = use_wide(use, m, type);
-    XQuant& xq = s == 32 ? x32 : x256;
-    if (xq.k == 0) xq = quantize_x(x, s);
+    // the x16 panels scale x per 32 for every format (they scale each 32-k unit apart anyway): a K-quant's 256-wide
+    // block of x would carry its largest value's scale over 255 others
+    XQuant& xq = s == 32 || x16 ? x32 : x256;
+    if (xq.k == 0) xq = quantize_x(x, x16 ? 32 : s);
     // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K); x16 holds for every part of a call (m decides)
     if ((wide || x16) && xq.q16.empty()) widen(xq, m, x16);
     const bool f32 = out.scalar_type() == at::kFloat;

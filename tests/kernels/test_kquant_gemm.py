@@ -1,8 +1,8 @@
-"""The GGML block-format GEMM (csrc/cpu/kquant_gemm.cpp) against its pure-torch reference (formats.ref_kquant_gemm:
-x quantized per block in two int8 parts as the kernel does, exact integer block sums in float64) and against the
-float product with llama.cpp's dequantization (fmt.dequantize), on every ISA path this build runs (plain C++, AVX2,
-AVX-512, AVX-512 VNNI, and the dequantized panels a prefill takes; `make test-avx2` runs the AVX2 build's), for each
-format, odd shapes (N not a multiple of the 16-column block, K of 1 to 3 blocks), 1 to 300 rows, float32 and
+"""The GGML block-format GEMM (csrc/cpu/kquant_gemm.cpp) against its pure-torch reference (formats.ref_kquant_gemm: x
+quantized per block (per 32 on the x16 panels) in two int8 parts as the kernel does, exact integer sums in float64) and
+against the float product with llama.cpp's dequantization (fmt.dequantize), on every ISA path this build runs (plain
+C++, AVX2, AVX-512, AVX-512 VNNI, and the dequantized panels a prefill takes; `make test-avx2` runs the AVX2 build's),
+for each format, odd shapes (N not a multiple of the 16-column block, K of 1 to 3 blocks), 1 to 300 rows, float32 and
 bfloat16, with a bias, mixed-format parts (a Q4_K_M qkv, a Q8_0 part among them), and the same bits on one and two
 threads."""
 from __future__ import annotations
@@ -41,6 +41,11 @@ def _float_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the dequant
     return x.double() @ w.double().T
 
 
+def _ref(x: torch.Tensor, fmt, raw: torch.Tensor, bias, isa: int) -> torch.Tensor:
+    """The integer paths' reference: x in two int8 parts per fmt's block, per 32 on the x16 panels (any format)."""
+    return ref_kquant_gemm(x, fmt, raw, bias, x_block=32 if isa == ops.KQUANT_X16 else None)
+
+
 def _check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     """float32 rounding of the block sums (each |D S1| + |M S2| at most a few |x| . |w|); bfloat16: one rounding."""
     bound = x.double().abs() @ w.double().abs().T
@@ -63,7 +68,7 @@ def test_kquant_gemm_matches_reference(name, isa):
             x = torch.randn(rows, k, generator=gen)
             out = ops.kquant_gemm(torch.empty(rows, n), x, blob, None, isa)
             # the panels multiply the dequantized weights in float32: the float product is their reference
-            _check(out, _float_ref(x, w) if isa == ops.KQUANT_PANEL else ref_kquant_gemm(x, fmt, raw), x, w)
+            _check(out, _float_ref(x, w) if isa == ops.KQUANT_PANEL else _ref(x, fmt, raw, None, isa), x, w)
 
 
 @pytest.mark.parametrize("isa", TILES)
@@ -106,12 +111,12 @@ def test_bfloat16_bias_and_strided_rows(isa):
     bias = torch.randn(n)
     wide = torch.randn(6, k + 24).bfloat16()
     x = wide[:, 8:8 + k]  # rows k + 24 apart
-    ref = ref_kquant_gemm(x.float(), fmt, raw, bias)
+    ref = _ref(x.float(), fmt, raw, bias, isa)
     w = fmt.dequantize(raw)
     if isa == ops.KQUANT_PANEL and BF16_DOT:  # bfloat16 panels: the weights rounded to bfloat16 are the reference
         ref16 = x.double() @ w.bfloat16().double().T + bias.bfloat16().double()
     else:
-        ref16 = ref_kquant_gemm(x.float(), fmt, raw, bias.bfloat16().float())
+        ref16 = _ref(x.float(), fmt, raw, bias.bfloat16().float(), isa)
     _check(ops.kquant_gemm(torch.empty(6, n, dtype=torch.bfloat16), x, blob, bias.bfloat16(), isa), ref16,
            x.float(), w)
     _check(ops.kquant_gemm(torch.empty(6, n), x, blob, bias, isa), ref, x.float(), fmt.dequantize(raw))
@@ -139,7 +144,7 @@ def test_mixed_parts_write_their_columns(isa):
                 ref = x.double() @ w.double().T + bias[col:col + n].double()
                 torch.testing.assert_close(out[:, col:col + n].double(), ref, atol=2e-2, rtol=2e-2)
             else:
-                _check(out[:, col:col + n], ref_kquant_gemm(x, fmt, raw, bias[col:col + n]), x, w)
+                _check(out[:, col:col + n], _ref(x, fmt, raw, bias[col:col + n], isa), x, w)
             col += n
 
 

@@ -460,26 +460,29 @@ def quantize_activations(x: torch.Tensor, s: int) -> list[tuple[torch.Tensor, to
     return [(xh.view(m, k), dx), (xl.view(m, k), dx / 254.0)]
 
 
-def ref_kquant_gemm(x: torch.Tensor, fmt: WeightFormat, raw: torch.Tensor, bias: Optional[torch.Tensor] = None
-                    ) -> torch.Tensor:
-    """float64 [M, N] reference of kquant_gemm's int8 tiles for one part: x in two int8 parts per block
-    (quantize_activations), each block's exact integer sums S1 = sum_j sc_j sum q xq and S2 = sum_j mn_j sum xq,
-    scaled by dx * (D S1 - M S2), the parts' products summed."""
+def ref_kquant_gemm(x: torch.Tensor, fmt: WeightFormat, raw: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                    x_block: Optional[int] = None) -> torch.Tensor:
+    """float64 [M, N] reference of kquant_gemm's integer paths for one part: x in two int8 parts per x_block
+    (quantize_activations; fmt's block by default, 32 for the x16 panels), the exact integer sums per unit (a
+    sub-block, or an x block where that is shorter) sum q xq and sum xq, scaled by dx * (D sc S1 - M mn S2), the
+    units and the parts' products summed."""
     q, d, mvals, sc, mn = fmt.components(raw)
     n, k = q.shape
     s = fmt.block_weights
-    m = x.shape[0]
+    xb = x_block or s
     sub = fmt.sub_weights or s
-    per = s // sub
-    qs = q.double().view(n, k // sub, sub)
+    g = min(sub, xb)  # one sub-scale and one x scale a unit
+    m = x.shape[0]
+    qs = q.double().view(n, k // g, g)
     scv = torch.ones(n, k // sub, dtype=torch.float64) if sc is None else sc.double()
     mnv = torch.ones(n, k // sub, dtype=torch.float64) if mn is None else mn.double()
+    scale = (d.double().repeat_interleave(s // g, 1) * scv.repeat_interleave(sub // g, 1)).unsqueeze(0)  # [1, N, U]
+    offset = (mvals.double().repeat_interleave(s // g, 1) * mnv.repeat_interleave(sub // g, 1)).unsqueeze(0)
     out = torch.zeros(m, n, dtype=torch.float64)
-    for xq, dx in quantize_activations(x, s):
-        xs = xq.double().view(m, k // sub, sub)
-        dots = torch.einsum("mjc,njc->mnj", xs, qs)  # [M, N, K / sub], exact
-        bsum = xs.sum(-1)  # [M, K / sub]
-        s1 = (dots * scv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
-        s2 = (bsum.unsqueeze(1) * mnv.unsqueeze(0)).view(m, n, k // s, per).sum(-1)
-        out += (dx.double().unsqueeze(1) * (d.double().unsqueeze(0) * s1 - mvals.double().unsqueeze(0) * s2)).sum(-1)
+    for xq, dx in quantize_activations(x, xb):
+        xs = xq.double().view(m, k // g, g)
+        dots = torch.einsum("mjc,njc->mnj", xs, qs)  # [M, N, U], exact
+        bsum = xs.sum(-1).unsqueeze(1)  # [M, 1, U]
+        dxu = dx.double().repeat_interleave(xb // g, 1).unsqueeze(1)  # [M, 1, U]
+        out += (dxu * (scale * dots - offset * bsum)).sum(-1)
     return out if bias is None else out + bias.double()
