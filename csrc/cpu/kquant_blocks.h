@@ -58,6 +58,12 @@ using FQ4_K = Fmt<4, 256, 32, true, 0, true>;
 using FQ5_K = Fmt<5, 256, 32, true, 0, true>;
 using FQ6_K = Fmt<6, 256, 16, false, 32, false>;
 
+inline int32_t pair16(const int16_t* p) {  // two int16 as one 32-bit lane (a vpmaddwd operand broadcast)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 inline float half_at(const uint8_t* p, int i) {
   uint16_t h;
   std::memcpy(&h, p + 2 * i, 2);

@@ -28,12 +28,6 @@ constexpr int kPrefetch = 4096;                     // as the int8 tiles: bytes 
 template <class F>
 constexpr int kLineBytes = (F::kBytes / F::kJ32 + 63) / 64 * 64;  // a 32-k chunk's share of the stream
 
-inline int32_t pair16(const int16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // Group G of a 32-k chunk for R rows: codes of k 4G..4G+3 (w0) and 16+4G.. (w1), 4 k of a column a 32-bit lane,
 // widened to int16 pairs (k0, k2) and (k1, k3), against x16 stored in that order (quantize_x: x0 x2 x1 x3 per 4 k).
 // Split: w1's sub-block is its own (Q6_K's sub-blocks of 16) and sums into ib.

@@ -110,23 +110,17 @@ void build_q8(const uint8_t* w, const uint16_t* d, int64_t kb, Panel& p) {
     int32_t* chunk = p.q.data() + j * 16 * kCols;
     for (int g = 0; g < 8; ++g)
       for (int lane0 = 0; lane0 < kCols; lane0 += V::kL) {
-        const V::I v = V::and_(V::load(w + (j * 8 + g) * 64 + lane0 * 4), V::set8(-1));
-        const V::I q = _mm256_xor_si256(v, V::set8(0x80));  // k 4g .. 4g + 3 of a column, signed bytes
+        // k 4g .. 4g + 3 of a column, made signed bytes
+        const V::I q = _mm256_xor_si256(V::load(w + (j * 8 + g) * 64 + lane0 * 4), V::set8(0x80));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + 2 * g * kCols + lane0),
                             _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + (2 * g + 1) * kCols + lane0), _mm256_srai_epi16(q, 8));
       }
     for (int c = 0; c < kCols; ++c) {
-      p.sa[j * kCols + c] = static_cast<float>(c10::Half(d[j * kCols + c], c10::Half::from_bits()));
+      p.sa[j * kCols + c] = half_at(reinterpret_cast<const uint8_t*>(d + j * kCols), c);
       p.mn[j * kCols + c] = 0.0f;
     }
   }
-}
-
-inline int32_t pair16(const int16_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 // Rows row0 .. row0 + R - 1 against units u0 .. u1 - 1 of the panel, adding into acc ([rows][16] float32): H registers

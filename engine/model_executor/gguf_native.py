@@ -153,16 +153,16 @@ def load_native_gguf(model: nn.Module, path: Path, hf_config, dtype: torch.dtype
             info = info_of(name)
             fmt = registry_format(info.kind)
             kind = name.rsplit(".", 1)[-1]
-            if (fmt is not None and fmt.native() and info.nbytes > formats.PACK_CHUNK_BYTES
-                    and not (arch == "llama" and kind in heads)):
-                counts[fmt.name] = counts.get(fmt.name, 0) + 1
-                return fmt, FileRows(f, info, info.nbytes // info.shape[0])  # packed a chunk of rows at a time
-            raw = read_bytes(f, info).view(info.shape[0], -1)
-            if fmt is None:
-                dequantized.setdefault(info.kind, []).append(info.name)
-                raw, fmt = _requantized(raw, info), registry_format(HELD_AS)
-            if arch == "llama" and kind in heads:
-                raw = raw[unpermute_rows(raw.shape[0], heads[kind])]
+            permuted = arch == "llama" and kind in heads  # q / k rows: llama.cpp's RoPE order undone
+            if fmt is not None and fmt.native() and info.nbytes > formats.PACK_CHUNK_BYTES and not permuted:
+                raw = FileRows(f, info, info.nbytes // info.shape[0])  # packed a chunk of rows at a time
+            else:
+                raw = read_bytes(f, info).view(info.shape[0], -1)
+                if fmt is None:
+                    dequantized.setdefault(info.kind, []).append(info.name)
+                    raw, fmt = _requantized(raw, info), registry_format(HELD_AS)
+                if permuted:
+                    raw = raw[unpermute_rows(raw.shape[0], heads[kind])]
             counts[fmt.name] = counts.get(fmt.name, 0) + 1
             return fmt, raw
 
