@@ -14,11 +14,12 @@ gate / up and Q6_K or Q4_K down: one packed blob an expert, as a dense linear's;
 Q8_0 the same way). Gemma's norms are stored as 1 + w by llama.cpp's converter:
 shifted back (gguf_file.vector_tensors) and the decoder adds its norm_offset, as for an HF checkpoint.
 
-The linears are read with plain file reads, one tensor at a time (one over formats.PACK_CHUNK_BYTES a chunk of rows at
-a time, gguf_file.FileRows, as it is packed), not through a memory map: the registry repacks them, and mapped pages
-once read stay in the process's resident set until the map closes (the whole file at the load's peak). The token embedding (tied or not) is the exception: a step gathers a few of its rows, so it stays in a
-read-only map of the file, as llama.cpp's mmap, and only the rows gathered are dequantized
-(layers/ggml_linears.py attach_block_embedding); a tied head reads the same tensor into its own packed copy.
+The linears are read with plain file reads, one tensor at a time (one over formats.PACK_CHUNK_BYTES a chunk of rows at a
+time, gguf_file.FileRows, as it is packed), not through a memory map: the registry repacks them, and mapped pages once
+read stay in the process's resident set until the map closes (the whole file at the load's peak). The token embedding
+(tied or not) is the exception: a step gathers a few of its rows, so it stays in a read-only map of the file, as
+llama.cpp's mmap, and only the rows gathered are dequantized (layers/ggml_linears.py attach_block_embedding); a tied
+head reads the same tensor into its own packed copy.
 """
 from __future__ import annotations
 
