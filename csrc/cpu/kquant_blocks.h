@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 
 #include "cpu_features.h"
+#include "vec_utils.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -108,7 +109,7 @@ struct XQuant {
   std::vector<int16_t> s16, s32;
   int64_t k = 0, s = 0;
   std::vector<int16_t> q16;  // the wide tiles' x16 = 254 xh + xl per row (kquant_wide.cpp), when asked for
-  std::vector<float> dx16, xs16, dx32, xs32;  // with q16, per row and unit of 16 / 32 k: x16's scale, scale * sum
+  std::vector<float> dx16, xs16, dx32, xs32;  // unit_scales: per row and unit of 16 / 32 k, x16's scale, scale * sum
   const int8_t* row(int64_t e) const { return q.data() + e * k; }
 };
 
@@ -116,6 +117,7 @@ struct XQuant {
 // int16 form (q16) for its m rows and, with sums, the x16 panels' per-unit scales and scaled sums.
 XQuant quantize_x(const at::Tensor& x, int64_t s);
 void widen(XQuant& xq, int64_t m, bool sums);
+void unit_scales(XQuant& xq, int64_t m);
 
 // Out (where a tile writes): cpu_features.h.
 inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, const float* v) {

@@ -26,13 +26,22 @@
 // bytes}, then the parts; a Q8_0 part is csrc/cpu/q8_gemm.cpp's own layout and goes there.
 //
 // Paths: the int8 tiles (8 of the tile's rows on AVX-512, i.e. 4 rows of x; 4 on AVX2; a tile streams its column
-// block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache) on VNNI; the wide tiles of
+// block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache; the 32-weight formats' tile32
+// joins the two parts in int32 and takes 8 rows of x on AVX-512 where K <= 2048) on VNNI; the wide tiles of
 // kquant_wide.cpp (x's parts joined into one int16, x16 = 254 xh + xl, against the codes widened once a tile: 4 rows
 // of x a tile on AVX2, 8 on AVX-512) on AVX2 and AVX-512 without VNNI, and on VNNI for Q6_K from kWideRowsVnni
 // rows; each part's column blocks split over the caller's OpenMP threads; from a row threshold (use_panels) the
 // dequantized panels of kquant_panel.cpp: float32 or bfloat16 W^T panels into torch's GEMM, the dequantized model's
 // own products; and on AVX2 from x16_rows() rows instead the x16 panels of kquant_x16.cpp (the wide tiles' products,
-// a column block's codes widened once for all rows: 1.5-1.7x the float32 panels at 128 rows on a Zen 5).
+// a column block's codes widened once for all rows: 1.5-1.7x the float32 panels at 128 rows on a Zen 5). From
+// kX32Rows rows (a prefill) x is scaled per 32 for the K-quants too (X32 tiles), not per 256.
+//
+// Measured on a Zen 5 (2 vCPUs, AVX-512 VNNI + BF16, one thread, [2048, 8192], 2026-11-29): tile32 8 rows Q5_0
+// 0.96 -> 0.84 ms, Q4_0 0.87 -> 0.74; a decode step of SmolLM2's Q4_K_M (mostly Q5_0) at 8 sequences, bfloat16,
+// with quantize_row's amax vectorized (vec::abs_max): 8.7 -> 7.8 ms. X32 against x per 256 (float32 x): Q4_K 16 rows
+// 1.34 -> 1.52 ms, 64 rows 5.6 -> 6.5; Q6_K 1.74 -> 1.87, 7.9 -> 8.0; what it buys: SmolLM2's Q4_K_M, float32,
+// greedy tokens 89.5 % -> 100 % of its dequantized self's (one near-tie of 0.002 in log-probability flipped by the
+// prompts' prefill through the per-256 tiles; quant_quality.py).
 //
 // Measured on the 2-vCPU Xeon @ 2.50GHz (Cascade Lake: AVX-512 VNNI, no BF16/AMX), one thread's CPU time, a
 // [2048, 8192] weight, while the machine's other 5 jobs ran (load ~11 on 2 cores: absolute figures are 1.5-2x a
@@ -47,9 +56,10 @@
 //   252, panels 44 / 67 / 77 / 313, float 30 / 49 / 57 / 196; Q6_K tiles 11 / 44 / 88 / 373, panels 46 / 68 / 76 /
 //   260; Q4_0 tiles 9.9 / 37 / 78 / 390, panels 42 / 47 / 101 / 294. AVX2 (16 / 64 / 128): Q4_K tiles 15 / 63 / 129,
 //   panels 31 / 47 / 71, float 25 / 38 / 56; Q6_K 18 / 121 / 152 vs 37 / 46 / 96; Q4_0 19 / 78 / 163 vs 29 / 60 /
-//   69; Q5_1 19 / 82 / 170 vs 30 / 45 / 68. So panels from kPanelRowsVnni = 128 rows on VNNI (the tiles' 4x int8
-//   rate keeps them ahead below; at 512 rows the panels win 1.3-1.4x but for Q4_K) and from kPanelRowsWiden = 32
-//   rows on AVX2 / AVX-512 without VNNI (the tiles cost ~1 ms a row there, the panels ~27 ms + 0.35 ms a row).
+//   69; Q5_1 19 / 82 / 170 vs 30 / 45 / 68. So panels from 128 rows on VNNI then (the tiles' 4x int8 rate keeps
+//   them ahead below; at 512 rows the panels won 1.3-1.4x but for Q4_K; float32 panels on VNNI now: use_panels),
+//   from kPanelRowsWiden = 32 rows on AVX2 / AVX-512 without VNNI (the tiles cost ~1 ms a row there, the panels
+//   ~27 ms + 0.35 ms a row).
 //   The wide tiles (issue 53's 8-row decode; same machine, one thread, min of 2 runs at load ~2-5, ms for the
 //   [2048, 8192] / [8192, 2048] weight, int8 tiles (the kernel before) -> wide): AVX2 build, 8 rows Q4_K 7.2 / 7.1 ->
 //   4.8 / 4.9, Q6_K 8.4 / 8.5 -> 6.0 / 6.2, Q4_0 8.7 / 8.9 -> 6.1 / 5.7; 16 rows Q4_K 14.3 -> 10.2, 1 row 1.0 -> 1.0
@@ -89,8 +99,7 @@ inline void block_sums(const int8_t* q, int64_t k, int16_t* s16, int16_t* s32) {
 template <typename T>
 void quantize_row(const T* x, int64_t k, int64_t s, int8_t* qh, int8_t* ql, float* dh, float* dl) {
   for (int64_t b = 0; b < k / s; ++b) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < s; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[b * s + i])));
+    const float amax = vec::abs_max(x + b * s, s);
     const float db = amax / 127.0f;
     const float id = db != 0.0f ? 1.0f / db : 0.0f;
     for (int64_t i = 0; i < s; ++i) {
@@ -148,9 +157,13 @@ void widen(XQuant& xq, int64_t m, bool sums) {
     for (int64_t i = 0; i < k; ++i)
       x16[(i & ~int64_t{3}) + ((i & 1) << 1) + ((i >> 1) & 1)] = static_cast<int16_t>(254 * qh[i] + ql[i]);
   }
-  if (!sums) return;
-  // the x16 panels' per-unit scale and scaled sum (sum x16 = 254 sum xh + sum xl)
-  const int64_t ns = k / xq.s;
+  if (sums) unit_scales(xq, m);
+}
+
+// Per row and unit of 16 / 32 k, the joined parts' scale (the xl row's d) and scaled sum (sum x16 = 254 sum xh + sum
+// xl): the x16 panels' and the 32-weight int8 tiles' epilogue.
+void unit_scales(XQuant& xq, int64_t m) {
+  const int64_t k = xq.k, ns = k / xq.s;
   for (int u : {16, 32}) {
     const int64_t nu = k / u;
     std::vector<float>& dx = u == 16 ? xq.dx16 : xq.dx32;
@@ -176,10 +189,14 @@ using namespace kquant;
 constexpr int64_t kMagic = 0x4B51504B;
 constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
 constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
-constexpr int64_t kPanelRowsVnni = 128;  // rows from which the panels serve, VNNI tiles below (header)
 constexpr int64_t kPanelRowsBf16 = 64;   // the same where the panels are bfloat16 (AVX-512 BF16; header)
 constexpr int64_t kPanelRowsWiden = 32;  // the same for the wide tiles (AVX2, AVX-512 without VNNI)
 constexpr int64_t kWideRowsVnni = 8;     // rows from which VNNI takes the wide tiles for Q6_K (vpdpwssd)
+constexpr int64_t kX32Rows = 16;  // rows from which x is scaled per 32 for every format (K-quants: X32 tiles)
+// Up to this K a 32-weight format's AVX-512 tile takes 8 rows of x (16 expanded: the codes unpacked once for 8
+// rows, not twice); beyond, its 16 rows of x no longer stay in L1 (Zen 5, one thread, 8 rows, us: Q5_0 [1536, 576]
+// 58 -> 54, [8192, 2048] 842 -> 793, Q4_0 alike; [2048, 8192] 867 -> 1217).
+constexpr int64_t kTile32RowsMaxK = 2048;
 
 Isa best_isa() {
 #if defined(__AVX512F__)
@@ -191,45 +208,45 @@ Isa best_isa() {
 #endif
 }
 
+// The plain C++ path: per 32-k chunk its integer sums S1 (sub-scaled) and S2 (offsets), scaled by the chunk's dx (x
+// per 32 or per F::kS, xq.s).
 template <class F>
 void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
-  const int64_t sb = xq.k / F::kS;
+  const int64_t sb = xq.k / F::kS, n32 = xq.k / 32, n16 = xq.k / 16, nd = xq.k / xq.s;
   float acc[kCols];
   for (int64_t blk = b0; blk < b1; ++blk) {
-    for (int64_t e = 0; e < kParts * m; ++e) {  // expanded rows: xh, then xl of the same row
-      const int64_t r = e;
-      if (e % kParts == 0) std::fill(acc, acc + kCols, 0.0f);
+    for (int64_t r = 0; r < kParts * m; ++r) {  // expanded rows: xh, then xl of the same row
+      if (r % kParts == 0) std::fill(acc, acc + kCols, 0.0f);
       const int8_t* xr = xq.row(r);
       for (int64_t s = 0; s < sb; ++s) {
         const uint8_t* b = w + (blk * sb + s) * F::kBytes;
         for (int c = 0; c < kCols; ++c) {
-          int32_t s1 = 0, s2 = 0;
-          for (int j32 = 0; j32 < F::kJ32; ++j32) {
-            int32_t part[2] = {0, 0};  // groups 0-3 and 4-7 (Q6_K's two sub-blocks of 16)
-            for (int g = 0; g < 8; ++g)
-              for (int i = 0; i < 4; ++i) part[g >> 2] += code<F>(b, j32, g, c, i) * xr[s * F::kS + j32 * 32 + 4 * g + i];
-            if constexpr (F::kSub == 0) {
-              s1 += part[0] + part[1];
-            } else if constexpr (F::kSub == 32) {
-              s1 += pair_at(b + F::kOffSc, j32, c) * (part[0] + part[1]);
-            } else {
-              s1 += pair_at(b + F::kOffSc, 2 * j32, c) * part[0] + pair_at(b + F::kOffSc, 2 * j32 + 1, c) * part[1];
-            }
-          }
-          if constexpr (F::kSub == 0) {
-            s2 = xq.s32[r * (xq.k / 32) + s];
-          } else {
-            const int16_t* bs = F::kSub == 32 ? xq.s32.data() + r * (xq.k / 32) : xq.s16.data() + r * (xq.k / 16);
-            for (int j = 0; j < F::kSubs; ++j)
-              s2 += pair_at(b + (F::kOwnMins ? F::kOffMn : F::kOffSc), j, c) * bs[s * F::kSubs + j];
-          }
           const float dd = half_at(b + F::kOffD, c);
           const float mm = F::kStoresM ? half_at(b + F::kOffM, c) : dd * static_cast<float>(F::kMMul);
-          acc[c] = std::fma(std::fma(dd, static_cast<float>(s1), -mm * static_cast<float>(s2)),
-                            xq.d[r * (xq.k / F::kS) + s], acc[c]);
+          for (int j32 = 0; j32 < F::kJ32; ++j32) {
+            int32_t part[2] = {0, 0};  // groups 0-3 and 4-7 (Q6_K's two sub-blocks of 16)
+            const int8_t* xc = xr + s * F::kS + j32 * 32;
+            for (int g = 0; g < 8; ++g)
+              for (int i = 0; i < 4; ++i) part[g >> 2] += code<F>(b, j32, g, c, i) * xc[4 * g + i];
+            int32_t s1 = 0, s2 = 0;
+            const int64_t u = s * F::kJ32 + j32;  // the chunk's 32-k unit
+            if constexpr (F::kSub == 0) {
+              s1 = part[0] + part[1];
+              s2 = xq.s32[r * n32 + u];
+            } else if constexpr (F::kSub == 32) {
+              s1 = pair_at(b + F::kOffSc, j32, c) * (part[0] + part[1]);
+              s2 = pair_at(b + (F::kOwnMins ? F::kOffMn : F::kOffSc), j32, c) * xq.s32[r * n32 + u];
+            } else {
+              s1 = pair_at(b + F::kOffSc, 2 * j32, c) * part[0] + pair_at(b + F::kOffSc, 2 * j32 + 1, c) * part[1];
+              s2 = pair_at(b + F::kOffSc, 2 * j32, c) * xq.s16[r * n16 + 2 * u] +
+                   pair_at(b + F::kOffSc, 2 * j32 + 1, c) * xq.s16[r * n16 + 2 * u + 1];
+            }
+            const float dx = xq.d[r * nd + u * 32 / xq.s];
+            acc[c] = std::fma(std::fma(dd, static_cast<float>(s1), -mm * static_cast<float>(s2)), dx, acc[c]);
+          }
         }
       }
-      if (e % kParts == kParts - 1) store_cols(o, e / kParts, blk * kCols, kCols, acc);
+      if (r % kParts == kParts - 1) store_cols(o, r / kParts, blk * kCols, kCols, acc);
     }
   }
 }
@@ -274,10 +291,13 @@ template <class F>
 constexpr int kChunkBytes = (F::kBytes / F::kJ32 + 63) / 64 * 64;
 constexpr int kPrefetchBytes = 4096;
 
-// R expanded rows (R / 2 rows of x, each its xh and xl) of one 16-column block over all of K: H halves of V::kL
-// columns; a row's two parts are summed at the end.
-template <class V, class F, int R>
+// R expanded rows (R / 2 rows of x, each its xh and xl) of one 16-column block of a K-quant over all of K: H halves
+// of V::kL columns; a row's two parts are summed at the end. X32: x scaled per 32 (a prefill's rows, kX32Rows), a
+// chunk's integer sum converted and scaled on its own and the offsets summed per sub-block in float, once a row of x
+// (unit_scales' xs16 / xs32); else x per block of F::kS, the block's sums exact in int32.
+template <class V, class F, int R, bool X32>
 void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Out& o, int64_t col0) {
+  static_assert(F::kSub != 0, "the 32-weight formats take tile32");
   using I = typename V::I;
   using FV = typename V::F;
   constexpr int H = kCols / V::kL;
@@ -292,15 +312,16 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
     for (int h = 0; h < H; ++h) {
       const int lane0 = h * V::kL;
       I s1[R];
-      for (int r = 0; r < R; ++r) s1[r] = V::zero();
+      FV f1[R];  // X32: S1 in float, each chunk at its own scale
+      for (int r = 0; r < R; ++r) s1[r] = V::zero(), f1[r] = V::fzero();
       for (int j32 = 0; j32 < F::kJ32; ++j32) {
         I ia[R], ib[R];
         for (int r = 0; r < R; ++r) ia[r] = ib[r] = V::zero();
-        I sca = V::set16(1), scb = sca, p = sca;
-        if constexpr (F::kSub != 0) p = V::pairs(b + F::kOffSc + (F::kSub == 32 ? j32 / 2 : j32) * 32 + lane0 * 2);
+        I sca = V::set16(1), scb = sca;
+        const I p = V::pairs(b + F::kOffSc + (F::kSub == 32 ? j32 / 2 : j32) * 32 + lane0 * 2);
         // even / odd sub-scale of each lane, as int32 (VNNI) or duplicated int16 (vpmaddwd)
         I even = V::sra16of32(V::template shl32<16>(p)), odd = V::sra16of32(p);
-        if constexpr (F::kSub != 0 && !V::kVnni) {
+        if constexpr (!V::kVnni) {
           even = V::or_(V::and_(even, V::set32(0xffff)), V::template shl32<16>(even));
           odd = V::or_(V::and_(odd, V::set32(0xffff)), V::template shl32<16>(odd));
           if constexpr (F::kSub == 32) sca = scb = (j32 & 1) ? odd : even;
@@ -317,37 +338,46 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
         chunk_groups<V, F, R, 2>(b, j32, lane0, xr, k0, ia, ib, sca, scb);
         chunk_groups<V, F, R, 3>(b, j32, lane0, xr, k0, ia, ib, sca, scb);
         for (int r = 0; r < R; ++r) {
-          if constexpr (F::kSub == 0) {
-            s1[r] = V::add(s1[r], V::add(ia[r], ib[r]));
-          } else if constexpr (!V::kVnni) {
-            s1[r] = V::add(s1[r], ia[r]);
-          } else if constexpr (F::kSub == 32) {
-            s1[r] = V::add(s1[r], V::mullo(V::add(ia[r], ib[r]), (j32 & 1) ? odd : even));
-          } else {
-            s1[r] = V::add(s1[r], V::add(V::mullo(ia[r], even), V::mullo(ib[r], odd)));
-          }
+          I t;  // this chunk's sub-scaled integer sum
+          if constexpr (!V::kVnni) t = ia[r];
+          else if constexpr (F::kSub == 32) t = V::mullo(V::add(ia[r], ib[r]), (j32 & 1) ? odd : even);
+          else t = V::add(V::mullo(ia[r], even), V::mullo(ib[r], odd));
+          if constexpr (X32) f1[r] = V::fmadd(V::cvt(t), V::fset(xq.d[(row0 + r) * n32 + s * F::kJ32 + j32]), f1[r]);
+          else s1[r] = V::add(s1[r], t);
         }
       }
       const FV dd = V::halfs(b + F::kOffD + lane0 * 2);
       FV mm;
       if constexpr (F::kStoresM) mm = V::halfs(b + F::kOffM + lane0 * 2);
       else mm = V::mul(dd, V::fset(static_cast<float>(F::kMMul)));
+      if constexpr (X32) {  // acc += dd S1 (both parts), and for a row of x once - mm sum_j mn_j xs_j
+        FV off[R / kParts];
+        for (int x = 0; x < R / kParts; ++x) off[x] = V::fzero();
+        const int64_t n = F::kSub == 32 ? n32 : n16;
+        const float* xs = F::kSub == 32 ? xq.xs32.data() : xq.xs16.data();
+        for (int p2 = 0; p2 < F::kSubs / 2; ++p2) {
+          const I mp = V::pairs(b + (F::kOwnMins ? F::kOffMn : F::kOffSc) + p2 * 32 + lane0 * 2);
+          const FV even = V::cvt(V::sra16of32(V::template shl32<16>(mp))), odd = V::cvt(V::sra16of32(mp));
+          for (int x = 0; x < R / kParts; ++x) {
+            const float* xr2 = xs + (row0 / kParts + x) * n + s * F::kSubs + 2 * p2;
+            off[x] = V::fmadd(odd, V::fset(xr2[1]), V::fmadd(even, V::fset(xr2[0]), off[x]));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          acc[h][r] = V::fmadd(dd, f1[r], acc[h][r]);
+          if (r % kParts == 0) acc[h][r] = V::fnmadd(mm, off[r / kParts], acc[h][r]);
+        }
+        continue;
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t row = row0 + r;
-        FV off;
-        if constexpr (F::kSub == 0) {
-          off = V::mul(mm, V::fset(static_cast<float>(xq.s32[row * n32 + s])));
-        } else {
-          const int16_t* bs = F::kSub == 32 ? xq.s32.data() + row * n32 : xq.s16.data() + row * n16;
-          I s2 = V::zero();
-          for (int p2 = 0; p2 < F::kSubs / 2; ++p2) {
-            int32_t pair;
-            std::memcpy(&pair, bs + s * F::kSubs + 2 * p2, 4);
-            const uint8_t* mp = b + (F::kOwnMins ? F::kOffMn : F::kOffSc) + p2 * 32 + lane0 * 2;
-            s2 = V::add(s2, V::madd(V::pairs(mp), V::set32(pair)));
-          }
-          off = V::mul(mm, V::cvt(s2));
+        const int16_t* bs = F::kSub == 32 ? xq.s32.data() + row * n32 : xq.s16.data() + row * n16;
+        I s2 = V::zero();
+        for (int p2 = 0; p2 < F::kSubs / 2; ++p2) {
+          const uint8_t* mp = b + (F::kOwnMins ? F::kOffMn : F::kOffSc) + p2 * 32 + lane0 * 2;
+          s2 = V::add(s2, V::madd(V::pairs(mp), V::set32(pair16(bs + s * F::kSubs + 2 * p2))));
         }
+        const FV off = V::mul(mm, V::cvt(s2));
         const FV blockv = V::fmsub(dd, V::cvt(s1[r]), off);
         acc[h][r] = V::fmadd(blockv, V::fset(xq.d[row * ns + s]), acc[h][r]);
       }
@@ -361,18 +391,77 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
   }
 }
 
+// The 32-weight formats (no sub-scales): R expanded rows of one 16-column block over all of K, a block's dot products
+// straight into S1 and its two parts joined in int32 before the float epilogue (S = 254 S1h + S1l, exact: |S1h| <=
+// 32 * 31 * 127), one epilogue a row of x and block: out += dd dl S - mm dl (254 s32h + s32l) (unit_scales' dx32 and
+// xs32), where tile() pays two, each with its own offset term.
+template <class V, class F, int R>
+void tile32(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Out& o, int64_t col0) {
+  using I = typename V::I;
+  using FV = typename V::F;
+  constexpr int H = kCols / V::kL, X = R / kParts;
+  FV acc[H][X];
+  for (int h = 0; h < H; ++h)
+    for (int x = 0; x < X; ++x) acc[h][x] = V::fzero();
+  const int8_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = xq.row(row0 + r);
+  const int64_t n32 = xq.k / 32, x0 = row0 / kParts;
+  const I k254 = V::set32(254), one = V::set16(1);
+  for (int64_t s = 0; s < sb; ++s) {
+    const uint8_t* b = w + s * F::kBytes;
+    for (int line = 0; line < kChunkBytes<F>; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchBytes + line), _MM_HINT_T0);
+    for (int h = 0; h < H; ++h) {
+      const int lane0 = h * V::kL;
+      I s1[R];
+      for (int r = 0; r < R; ++r) s1[r] = V::zero();
+      chunk_groups<V, F, R, 0>(b, 0, lane0, xr, s * 32, s1, s1, one, one);
+      chunk_groups<V, F, R, 1>(b, 0, lane0, xr, s * 32, s1, s1, one, one);
+      chunk_groups<V, F, R, 2>(b, 0, lane0, xr, s * 32, s1, s1, one, one);
+      chunk_groups<V, F, R, 3>(b, 0, lane0, xr, s * 32, s1, s1, one, one);
+      const FV dd = V::halfs(b + F::kOffD + lane0 * 2);
+      FV mm;
+      if constexpr (F::kStoresM) mm = V::halfs(b + F::kOffM + lane0 * 2);
+      else mm = V::mul(dd, V::fset(static_cast<float>(F::kMMul)));
+      for (int x = 0; x < X; ++x) {
+        const int64_t u = (x0 + x) * n32 + s;
+        const I joined = V::add(V::mullo(s1[kParts * x], k254), s1[kParts * x + 1]);
+        acc[h][x] = V::fmadd(V::mul(dd, V::fset(xq.dx32[u])), V::cvt(joined), acc[h][x]);
+        acc[h][x] = V::fnmadd(mm, V::fset(xq.xs32[u]), acc[h][x]);
+      }
+    }
+  }
+  alignas(64) float buf[kCols];
+  for (int x = 0; x < X; ++x) {
+    for (int h = 0; h < H; ++h) V::store(buf + h * V::kL, acc[h][x]);
+    store_cols(o, x0 + x, col0, kCols, buf);
+  }
+}
+
+// R expanded rows of one column block: tile32 for the 32-weight formats, tile for the K-quants (X32 where x is
+// scaled per 32).
+template <class V, class F, int R>
+void any_tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Out& o, int64_t col0) {
+  if constexpr (F::kSub == 0) tile32<V, F, R>(xq, row0, w, sb, o, col0);
+  else if (xq.s < F::kS) tile<V, F, R, true>(xq, row0, w, sb, o, col0);
+  else tile<V, F, R, false>(xq, row0, w, sb, o, col0);
+}
+
 template <class V, class F>
 void simd_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
-  const int64_t sb = xq.k / F::kS;
+  const int64_t sb = xq.k / F::kS, e = kParts * m;  // expanded rows, an even count
+  constexpr int64_t rows = V::kL == 16 ? kRowsWide : kRows;
+  constexpr bool rows16 = F::kSub == 0 && V::kL == 16;  // tile32 takes 8 rows of x at once where K is short
   for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* wb = w + blk * sb * F::kBytes;
-    constexpr int64_t rows = V::kL == 16 ? kRowsWide : kRows;
-    for (int64_t r = 0; r < kParts * m; r += rows) {  // expanded rows, an even count
-      switch (std::min<int64_t>(rows, kParts * m - r)) {
-        case 2: tile<V, F, 2>(xq, r, wb, sb, o, blk * kCols); break;
-        case 4: tile<V, F, 4>(xq, r, wb, sb, o, blk * kCols); break;
-        case 6: tile<V, F, rows < 6 ? 4 : 6>(xq, r, wb, sb, o, blk * kCols); break;
-        default: tile<V, F, rows < 8 ? 4 : 8>(xq, r, wb, sb, o, blk * kCols); break;
+    for (int64_t r = 0, step; r < e; r += step) {
+      step = rows16 && e - r >= 16 && xq.k <= kTile32RowsMaxK ? 16 : std::min<int64_t>(rows, e - r);
+      switch (step) {
+        case 2: any_tile<V, F, 2>(xq, r, wb, sb, o, blk * kCols); break;
+        case 4: any_tile<V, F, 4>(xq, r, wb, sb, o, blk * kCols); break;
+        case 6: any_tile<V, F, rows < 6 ? 4 : 6>(xq, r, wb, sb, o, blk * kCols); break;
+        case 16: any_tile<V, F, rows16 ? 16 : rows>(xq, r, wb, sb, o, blk * kCols); break;
+        default: any_tile<V, F, rows < 8 ? 4 : 8>(xq, r, wb, sb, o, blk * kCols); break;
       }
     }
   }
@@ -404,8 +493,10 @@ void run_format(int64_t type, Isa isa, bool wide, bool x16, const XQuant& xq, in
 }
 
 // Whether m rows go through the panels (kPanel) rather than the int8 tiles (the header's measurements: one threshold
-// serves every format; bfloat16 panels, half the bytes to write and AVX-512 BF16's GEMM, from fewer rows).
-// PAGEDSERVE_KQUANT_PANEL_ROWS=R moves it to R rows (0: never), for measuring.
+// serves every format; bfloat16 panels, half the bytes to write and AVX-512 BF16's GEMM, from fewer rows). On VNNI
+// never float32 panels, as q8_gemm: the tiles were 3.4x faster at 128 to 512 rows on a Zen 5 (one thread, float32
+// x, [2048, 8192] Q4_K 128 rows 11.2 / 38.4 ms, 512 rows 44.6 / 153; torch's float32 GEMM there runs MKL's AVX2
+// kernel, 117 GFLOP/s a core). PAGEDSERVE_KQUANT_PANEL_ROWS=R moves it to R rows (0: never), for measuring.
 bool use_panels(int64_t m, Isa isa, bool bf16_panels) {
   static const int64_t forced = [] {
     const char* v = std::getenv("PAGEDSERVE_KQUANT_PANEL_ROWS");
@@ -415,7 +506,7 @@ bool use_panels(int64_t m, Isa isa, bool bf16_panels) {
   }();
   if (forced >= 0) return m >= forced;
   if (bf16_panels) return m >= kPanelRowsBf16;
-  return m >= (isa == kVnni ? kPanelRowsVnni : kPanelRowsWiden);
+  return isa != kVnni && m >= kPanelRowsWiden;
 }
 
 // Whether m rows of `type` take the wide tiles (kquant_wide.cpp) rather than the int8 ones: always on AVX2 / AVX-512
@@ -509,12 +600,16 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
       continue;
     }
     const bool wide = use_wide(use, m, type);
-    // the x16 panels scale x per 32 for every format (they scale each 32-k unit apart anyway): a K-quant's 256-wide
-    // block of x would carry its largest value's scale over 255 others
-    XQuant& xq = s == 32 || x16 ? x32 : x256;
-    if (xq.k == 0) xq = quantize_x(x, x16 ? 32 : s);
+    // x per 32 for every format from kX32Rows rows (and on the x16 panels, which scale each 32-k unit apart anyway):
+    // a K-quant's 256-wide block of x carries its largest value's scale over 255 others, which a prefill's keys and
+    // values keep (SmolLM2's Q4_K_M, float32: greedy tokens 89.5 % of its dequantized self's on VNNI, 100 % per 32)
+    XQuant& xq = s == 32 || x16 || m >= kX32Rows ? x32 : x256;
+    if (xq.k == 0) {
+      xq = quantize_x(x, &xq == &x32 ? 32 : s);
+      if (&xq == &x32) unit_scales(xq, m);  // the per-32 epilogues' scales and offsets
+    }
     // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K); x16 holds for every part of a call (m decides)
-    if ((wide || x16) && xq.q16.empty()) widen(xq, m, x16);
+    if ((wide || x16) && xq.q16.empty()) widen(xq, m, false);
     const bool f32 = out.scalar_type() == at::kFloat;
     const Out o{f32 ? o_part.data_ptr<float>() : nullptr, f32 ? nullptr : o_part.data_ptr<c10::BFloat16>(),
                 out.stride(0), bias_f32.defined() ? bias_f32.data_ptr<float>() + col : nullptr, rows};

@@ -54,8 +54,10 @@ inline void group(const uint8_t* b, int j32, int lane0, const int16_t* const* xr
   }
 }
 
-// Rows row0 .. row0 + R - 1 of x (x16) against one 16-column block over all of K: H halves of V::kL columns.
-template <class V, class F, int R>
+// Rows row0 .. row0 + R - 1 of x (x16) against one 16-column block over all of K: H halves of V::kL columns. X32: x
+// of a K-quant scaled per 32 (a prefill's rows, kquant_gemm.cpp kX32Rows), its scale applied per chunk and its
+// offsets summed per sub-block in float (unit_scales' xs16 / xs32), as the x16 panels do; else per block of F::kS.
+template <class V, class F, int R, bool X32>
 void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Out& o, int64_t col0) {
   using I = typename V::I;
   using FV = typename V::F;
@@ -95,13 +97,35 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
         group<V, F, R, 2, kSplit>(b, j32, lane0, xr, k0, ia, ib);
         group<V, F, R, 3, kSplit>(b, j32, lane0, xr, k0, ia, ib);
         for (int r = 0; r < R; ++r) {
-          blk[r] = V::fmadd(V::cvt(ia[r]), sa, blk[r]);
-          if constexpr (kSplit) blk[r] = V::fmadd(V::cvt(ib[r]), sb2, blk[r]);
+          if constexpr (X32) {  // this chunk's x scale
+            const FV dx = V::fset(xq.dx32[(row0 + r) * n32 + s * F::kJ32 + j32]);
+            blk[r] = V::fmadd(V::mul(V::cvt(ia[r]), dx), sa, blk[r]);
+            if constexpr (kSplit) blk[r] = V::fmadd(V::mul(V::cvt(ib[r]), dx), sb2, blk[r]);
+          } else {
+            blk[r] = V::fmadd(V::cvt(ia[r]), sa, blk[r]);
+            if constexpr (kSplit) blk[r] = V::fmadd(V::cvt(ib[r]), sb2, blk[r]);
+          }
         }
       }
       FV mm;
       if constexpr (F::kStoresM) mm = V::halfs(b + F::kOffM + lane0 * 2);
       else mm = V::mul(dd, V::fset(static_cast<float>(F::kMMul)));
+      if constexpr (X32) {  // acc += blk - mm sum_j mn_j xs_j, xs_j = dx_j sum x16 over sub-block j
+        FV off[R];
+        for (int r = 0; r < R; ++r) off[r] = V::fzero();
+        const int64_t n = F::kSub == 32 ? n32 : n16;
+        const float* xs = F::kSub == 32 ? xq.xs32.data() : xq.xs16.data();
+        for (int p2 = 0; p2 < F::kSubs / 2; ++p2) {
+          const I mp = V::pairs(b + (F::kOwnMins ? F::kOffMn : F::kOffSc) + p2 * 32 + lane0 * 2);
+          const FV even = V::cvt(V::sra16of32(V::template shl32<16>(mp))), odd = V::cvt(V::sra16of32(mp));
+          for (int r = 0; r < R; ++r) {
+            const float* xr2 = xs + (row0 + r) * n + s * F::kSubs + 2 * p2;
+            off[r] = V::fmadd(odd, V::fset(xr2[1]), V::fmadd(even, V::fset(xr2[0]), off[r]));
+          }
+        }
+        for (int r = 0; r < R; ++r) acc[h][r] = V::fadd(acc[h][r], V::fnmadd(mm, off[r], blk[r]));
+        continue;
+      }
       for (int r = 0; r < R; ++r) {
         const int64_t eh = kParts * (row0 + r), el = eh + 1;  // the expanded rows of xh and xl
         FV off;
@@ -130,7 +154,7 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
   }
 }
 
-template <class V, class F>
+template <class V, class F, bool X32>
 void blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
   const int64_t sb = xq.k / F::kS;
   constexpr int64_t kMax = V::kL == 16 ? 8 : 4;  // rows a tile: AVX2's 16 ymm hold 4 rows' sums, AVX-512's 32 zmm 8
@@ -138,13 +162,22 @@ void blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b
     const uint8_t* wb = w + blk * sb * F::kBytes;
     for (int64_t r = 0; r < m;) {
       const int64_t left = m - r;
-      if (kMax == 8 && left >= 8) tile<V, F, kMax == 8 ? 8 : 4>(xq, r, wb, sb, o, blk * kCols), r += 8;
-      else if (left >= 4) tile<V, F, 4>(xq, r, wb, sb, o, blk * kCols), r += 4;
-      else if (left == 3) tile<V, F, 3>(xq, r, wb, sb, o, blk * kCols), r += 3;
-      else if (left == 2) tile<V, F, 2>(xq, r, wb, sb, o, blk * kCols), r += 2;
-      else tile<V, F, 1>(xq, r, wb, sb, o, blk * kCols), r += 1;
+      if (kMax == 8 && left >= 8) tile<V, F, kMax == 8 ? 8 : 4, X32>(xq, r, wb, sb, o, blk * kCols), r += 8;
+      else if (left >= 4) tile<V, F, 4, X32>(xq, r, wb, sb, o, blk * kCols), r += 4;
+      else if (left == 3) tile<V, F, 3, X32>(xq, r, wb, sb, o, blk * kCols), r += 3;
+      else if (left == 2) tile<V, F, 2, X32>(xq, r, wb, sb, o, blk * kCols), r += 2;
+      else tile<V, F, 1, X32>(xq, r, wb, sb, o, blk * kCols), r += 1;
     }
   }
+}
+
+// A K-quant's x scaled per 32 (xq.s < F::kS) takes the X32 tiles.
+template <class V, class F>
+void blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int64_t b1, const Out& o) {
+  if constexpr (F::kSub != 0) {
+    if (xq.s < F::kS) return blocks<V, F, true>(xq, m, w, b0, b1, o);
+  }
+  blocks<V, F, false>(xq, m, w, b0, b1, o);
 }
 
 template <class V>

@@ -185,11 +185,8 @@ void quantize_row(const T* x, int64_t k, int64_t kb, int8_t* q, int8_t* ql, floa
   float vals[kQ];
   for (int64_t j = 0; j < kb; ++j) {
     const int64_t k0 = j * kQ, len = std::min<int64_t>(kQ, k - k0);
-    float amax = 0.0f;
-    for (int64_t i = 0; i < kQ; ++i) {
-      vals[i] = i < len ? as_float(x[k0 + i]) : 0.0f;
-      amax = std::max(amax, std::fabs(vals[i]));
-    }
+    for (int64_t i = 0; i < kQ; ++i) vals[i] = i < len ? as_float(x[k0 + i]) : 0.0f;
+    const float amax = vec::abs_max(vals, kQ);
     const float dj = amax / 127.0f;
     const float id = dj != 0.0f ? 1.0f / dj : 0.0f;
     int32_t sum = 0, suml = 0;

@@ -25,6 +25,7 @@ SCALE = {"Q4_K": 1e-3, "Q5_K": 1e-3, "Q6_K": 1e-4}  # float16 d: weights of orde
 # the tiles' row blocks (kquant_wide.cpp: 8, 4, 3, 2, 1 rows a tile; the int8 tiles: 4 or 2 rows of x) and their
 # remainders: 6 = 4 + 2, 9 = 8 + 1, 11 = 8 + 3, 16 = 2 x 8 (AVX2: 4 x 4)
 ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 33, 300)
+X32_ROWS = 16  # from these rows x is scaled per 32 for every format (kquant_gemm.cpp kX32Rows)
 # |out - x @ W^T| of the int8 tiles, over max(|x| @ |W|^T): x's two parts are within 1 / 64516 of each block's
 # largest |x| (measured: at most 1.2e-5 here); one part (1 / 254, llama.cpp's Q8_K / Q8_0 activations) ~1.6e-3.
 TWO_PART_BOUND = 4e-5
@@ -42,8 +43,10 @@ def _float_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the dequant
 
 
 def _ref(x: torch.Tensor, fmt, raw: torch.Tensor, bias, isa: int) -> torch.Tensor:
-    """The integer paths' reference: x in two int8 parts per fmt's block, per 32 on the x16 panels (any format)."""
-    return ref_kquant_gemm(x, fmt, raw, bias, x_block=32 if isa == ops.KQUANT_X16 else None)
+    """The integer paths' reference: x in two int8 parts per fmt's block, per 32 on the x16 panels and from
+    X32_ROWS rows (any format)."""
+    per_32 = isa == ops.KQUANT_X16 or x.shape[0] >= X32_ROWS
+    return ref_kquant_gemm(x, fmt, raw, bias, x_block=32 if per_32 else None)
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -95,11 +98,15 @@ def test_auto_takes_the_tiles_for_a_decode_step_and_the_panels_for_a_prefill():
     fmt = FORMATS["Q4_K"]
     raw = _rows("Q4_K", 40, 512, 3)
     blob = pack_parts([(fmt, raw)])
-    prefill = ops.KQUANT_X16 if BEST == ops.KQUANT_AVX2 else ops.KQUANT_PANEL  # AVX2: the x16 panels
-    for rows, path in ((1, BEST), (300, prefill)):
-        x = torch.randn(rows, 512)
-        auto = ops.kquant_gemm(torch.empty(rows, 40), x, blob, None)
-        assert torch.equal(auto, ops.kquant_gemm(torch.empty(rows, 40), x, blob, None, path))
+    # a float32 prefill: AVX2 the x16 panels; VNNI its tiles (never float32 panels there, as q8_gemm); else the panels
+    prefill = {ops.KQUANT_AVX2: ops.KQUANT_X16, ops.KQUANT_VNNI: ops.KQUANT_VNNI}.get(BEST, ops.KQUANT_PANEL)
+    cases = [(1, torch.float32, BEST), (300, torch.float32, prefill)]
+    if BF16_DOT and BEST == ops.KQUANT_VNNI:
+        cases.append((300, torch.bfloat16, ops.KQUANT_PANEL))  # bfloat16 panels where the CPU multiplies bfloat16
+    for rows, dtype, path in cases:
+        x = torch.randn(rows, 512).to(dtype)
+        auto = ops.kquant_gemm(torch.empty(rows, 40, dtype=dtype), x, blob, None)
+        assert torch.equal(auto, ops.kquant_gemm(torch.empty(rows, 40, dtype=dtype), x, blob, None, path))
 
 
 @pytest.mark.parametrize("isa", ISAS)
