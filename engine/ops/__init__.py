@@ -330,8 +330,11 @@ def small_gemm_argmax_lse(x: torch.Tensor,  # [rows, K] float32 or bfloat16, row
 
 
 def _small_gemm_module(isa: int, *tensors: torch.Tensor):
-    """The compiled module for a small_gemm call, None for the reference (which has no ISA path to force)."""
+    """The compiled module for a small_gemm call, None for the reference (which has no ISA path to force); a build
+    without a small-row kernel (PAGEDSERVE_CPU_ISA=generic) serves an auto call on the reference too."""
     module = _compiled_cpu_for(*tensors)
+    if module is not None and isa == SMALL_GEMM_AUTO and int(module.small_gemm_isa()) == 0:
+        module = None
     if module is None and isa != SMALL_GEMM_AUTO:
         raise RuntimeError(f"small_gemm: ISA path {isa} is not in this build (the torch reference has none)")
     return module
