@@ -189,8 +189,8 @@ using namespace kquant;
 constexpr int64_t kMagic = 0x4B51504B;
 constexpr int64_t kRows = 4;      // rows of x per tile (AVX2: 16 ymm)
 constexpr int64_t kRowsWide = 8;  // rows of x per tile (AVX-512: 32 zmm)
-constexpr int64_t kPanelRowsBf16 = 64;   // the same where the panels are bfloat16 (AVX-512 BF16; header)
-constexpr int64_t kPanelRowsWiden = 32;  // the same for the wide tiles (AVX2, AVX-512 without VNNI)
+constexpr int64_t kPanelRowsBf16 = 64;   // rows from which the bfloat16 panels serve (AVX-512 BF16; header)
+constexpr int64_t kPanelRowsWiden = 32;  // the float32 panels' where the wide tiles serve (AVX2, AVX-512 w/o VNNI)
 constexpr int64_t kWideRowsVnni = 8;     // rows from which VNNI takes the wide tiles for Q6_K (vpdpwssd)
 constexpr int64_t kX32Rows = 16;  // rows from which x is scaled per 32 for every format (K-quants: X32 tiles)
 // Up to this K a 32-weight format's AVX-512 tile takes 8 rows of x (16 expanded: the codes unpacked once for 8
