@@ -6,6 +6,7 @@ tensor-parallel ranks: the core is rank 0 and spawns rank 1, which streams the t
 the core."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -334,15 +335,18 @@ def test_the_core_process_streams_what_the_engine_in_process_does(tiny_llama_dir
 
 
 def _stream_interval_sends_an_event_every_n_tokens(base, one_rank) -> None:
-    """--stream-interval 4 through the core process: the first token at once, then 4 tokens an event, the rest with
-    the last; the text (decoded by the API server from the deltas' ids) is the offline engine's."""
+    """--stream-interval 4 through the core process: the first token at once, then 4 tokens an output, the rest with
+    the last; the text (decoded by the API server from the deltas' ids) is the offline engine's. An event ends only
+    where an output does (after tokens 1, 5, 9, 12); a reader that fell behind gets two outputs merged in one event
+    (AsyncLLMEngine's queue: CI once saw [1, 8, 3] on a loaded machine), never a split one."""
     with httpx.stream("POST", base + "/v1/completions", timeout=60,
                       json={"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0,
                             "ignore_eos": True, "stream": True, "logprobs": 1}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     chunks = [e["choices"][0] for e in events if e["choices"]]
-    assert [len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]] == [1, 4, 4, 3], chunks
+    ends = list(itertools.accumulate(len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]))
+    assert ends[-1] == 12 and set(ends) <= {1, 5, 9, 12} and len(ends) >= 2, chunks  # streamed before the end
     assert "".join(c["text"] for c in chunks) == one_rank[12]
     assert chunks[-1]["finish_reason"] == "length"
 
