@@ -117,7 +117,9 @@ struct XQuant {
 // int16 form (q16) for its m rows and, with sums, the x16 panels' per-unit scales and scaled sums.
 XQuant quantize_x(const at::Tensor& x, int64_t s);
 void widen(XQuant& xq, int64_t m, bool sums);
-void unit_scales(XQuant& xq, int64_t m);
+// Per row of x and unit of 32 k (and of 16 with sixteens: Q6_K's X32 offsets, the x16 panels) the joined parts' scale
+// and scaled sum, dx32 / xs32 (dx16 / xs16): the per-32 epilogues' operands.
+void unit_scales(XQuant& xq, int64_t m, bool sixteens = true);
 
 // Out (where a tile writes): cpu_features.h.
 inline void store_cols(const Out& o, int64_t row, int64_t col0, int64_t width, const float* v) {
@@ -267,6 +269,23 @@ inline void unpack(const uint8_t* b, int j32, int lane0, typename V::I& w0, type
     const I m30 = V::set8(0x30);
     w0 = V::or_(w0, V::and_(V::template shift16<4 - 2 * G>(h0), m30));
     w1 = V::or_(w1, V::and_(V::template shift16<4 - 2 * G>(h1), m30));
+  }
+}
+
+// A K-quant block's offset sums for X rows of x scaled per 32 (the X32 tiles): off[x] = sum_j mn_j xs_j over the
+// block's sub-blocks, mn per lane in float, xs from unit_scales (a sub-block's x scale times its sum of x16).
+template <class V, class F, int X>
+inline void x32_offsets(const uint8_t* b, int lane0, const XQuant& xq, int64_t x0, int64_t s, typename V::F* off) {
+  const int64_t n = xq.k / (F::kSub == 32 ? 32 : 16);
+  const float* xs = F::kSub == 32 ? xq.xs32.data() : xq.xs16.data();
+  for (int x = 0; x < X; ++x) off[x] = V::fzero();
+  for (int p2 = 0; p2 < F::kSubs / 2; ++p2) {
+    const typename V::I mp = V::pairs(b + (F::kOwnMins ? F::kOffMn : F::kOffSc) + p2 * 32 + lane0 * 2);
+    const typename V::F even = V::cvt(V::sra16of32(V::template shl32<16>(mp))), odd = V::cvt(V::sra16of32(mp));
+    for (int x = 0; x < X; ++x) {
+      const float* xr = xs + (x0 + x) * n + s * F::kSubs + 2 * p2;
+      off[x] = V::fmadd(odd, V::fset(xr[1]), V::fmadd(even, V::fset(xr[0]), off[x]));
+    }
   }
 }
 

@@ -161,10 +161,11 @@ void widen(XQuant& xq, int64_t m, bool sums) {
 }
 
 // Per row and unit of 16 / 32 k, the joined parts' scale (the xl row's d) and scaled sum (sum x16 = 254 sum xh + sum
-// xl): the x16 panels' and the 32-weight int8 tiles' epilogue.
-void unit_scales(XQuant& xq, int64_t m) {
+// xl): the epilogues of the x16 panels, the X32 tiles and tile32.
+void unit_scales(XQuant& xq, int64_t m, bool sixteens) {
   const int64_t k = xq.k, ns = k / xq.s;
   for (int u : {16, 32}) {
+    if (u == 16 && !sixteens) continue;
     const int64_t nu = k / u;
     std::vector<float>& dx = u == 16 ? xq.dx16 : xq.dx32;
     std::vector<float>& xs = u == 16 ? xq.xs16 : xq.xs32;
@@ -352,17 +353,7 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
       else mm = V::mul(dd, V::fset(static_cast<float>(F::kMMul)));
       if constexpr (X32) {  // acc += dd S1 (both parts), and for a row of x once - mm sum_j mn_j xs_j
         FV off[R / kParts];
-        for (int x = 0; x < R / kParts; ++x) off[x] = V::fzero();
-        const int64_t n = F::kSub == 32 ? n32 : n16;
-        const float* xs = F::kSub == 32 ? xq.xs32.data() : xq.xs16.data();
-        for (int p2 = 0; p2 < F::kSubs / 2; ++p2) {
-          const I mp = V::pairs(b + (F::kOwnMins ? F::kOffMn : F::kOffSc) + p2 * 32 + lane0 * 2);
-          const FV even = V::cvt(V::sra16of32(V::template shl32<16>(mp))), odd = V::cvt(V::sra16of32(mp));
-          for (int x = 0; x < R / kParts; ++x) {
-            const float* xr2 = xs + (row0 / kParts + x) * n + s * F::kSubs + 2 * p2;
-            off[x] = V::fmadd(odd, V::fset(xr2[1]), V::fmadd(even, V::fset(xr2[0]), off[x]));
-          }
-        }
+        x32_offsets<V, F, R / kParts>(b, lane0, xq, row0 / kParts, s, off);
         for (int r = 0; r < R; ++r) {
           acc[h][r] = V::fmadd(dd, f1[r], acc[h][r]);
           if (r % kParts == 0) acc[h][r] = V::fnmadd(mm, off[r / kParts], acc[h][r]);
@@ -606,7 +597,9 @@ void kquant_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& blob, c
     XQuant& xq = s == 32 || x16 || m >= kX32Rows ? x32 : x256;
     if (xq.k == 0) {
       xq = quantize_x(x, &xq == &x32 ? 32 : s);
-      if (&xq == &x32) unit_scales(xq, m);  // the per-32 epilogues' scales and offsets
+      // the per-32 epilogues' scales and offsets; per 16 only where a K-quant takes them (a decode step of the
+      // 32-weight formats needs the 32s alone)
+      if (&xq == &x32) unit_scales(xq, m, x16 || m >= kX32Rows);
     }
     // parts of one x may take either tiles (a Q4_K_M qkv's v: Q6_K); x16 holds for every part of a call (m decides)
     if ((wide || x16) && xq.q16.empty()) widen(xq, m, false);

@@ -112,17 +112,7 @@ void tile(const XQuant& xq, int64_t row0, const uint8_t* w, int64_t sb, const Ou
       else mm = V::mul(dd, V::fset(static_cast<float>(F::kMMul)));
       if constexpr (X32) {  // acc += blk - mm sum_j mn_j xs_j, xs_j = dx_j sum x16 over sub-block j
         FV off[R];
-        for (int r = 0; r < R; ++r) off[r] = V::fzero();
-        const int64_t n = F::kSub == 32 ? n32 : n16;
-        const float* xs = F::kSub == 32 ? xq.xs32.data() : xq.xs16.data();
-        for (int p2 = 0; p2 < F::kSubs / 2; ++p2) {
-          const I mp = V::pairs(b + (F::kOwnMins ? F::kOffMn : F::kOffSc) + p2 * 32 + lane0 * 2);
-          const FV even = V::cvt(V::sra16of32(V::template shl32<16>(mp))), odd = V::cvt(V::sra16of32(mp));
-          for (int r = 0; r < R; ++r) {
-            const float* xr2 = xs + (row0 + r) * n + s * F::kSubs + 2 * p2;
-            off[r] = V::fmadd(odd, V::fset(xr2[1]), V::fmadd(even, V::fset(xr2[0]), off[r]));
-          }
-        }
+        x32_offsets<V, F, R>(b, lane0, xq, row0, s, off);
         for (int r = 0; r < R; ++r) acc[h][r] = V::fadd(acc[h][r], V::fnmadd(mm, off[r], blk[r]));
         continue;
       }

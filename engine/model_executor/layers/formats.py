@@ -463,9 +463,9 @@ def quantize_activations(x: torch.Tensor, s: int) -> list[tuple[torch.Tensor, to
 def ref_kquant_gemm(x: torch.Tensor, fmt: WeightFormat, raw: torch.Tensor, bias: Optional[torch.Tensor] = None,
                     x_block: Optional[int] = None) -> torch.Tensor:
     """float64 [M, N] reference of kquant_gemm's integer paths for one part: x in two int8 parts per x_block
-    (quantize_activations; fmt's block by default, 32 for the x16 panels), the exact integer sums per unit (a
-    sub-block, or an x block where that is shorter) sum q xq and sum xq, scaled by dx * (D sc S1 - M mn S2), the
-    units and the parts' products summed."""
+    (quantize_activations; fmt's block by default, 32 where kquant_gemm scales x per 32: the x16 panels, and every
+    path from 16 rows), the exact integer sums per unit (a sub-block, or an x block where that is shorter) sum q xq
+    and sum xq, scaled by dx * (D sc S1 - M mn S2), the units and the parts' products summed."""
     q, d, mvals, sc, mn = fmt.components(raw)
     n, k = q.shape
     s = fmt.block_weights
