@@ -29,8 +29,9 @@
 // block's weights once, prefetching 4 KiB ahead, taller batches re-read them from cache; the 32-weight formats' tile32
 // joins the two parts in int32 and takes 8 rows of x on AVX-512 where K <= 2048) on VNNI; the wide tiles of
 // kquant_wide.cpp (x's parts joined into one int16, x16 = 254 xh + xl, against the codes widened once a tile: 4 rows
-// of x a tile on AVX2, 8 on AVX-512) on AVX2 and AVX-512 without VNNI, and on VNNI for Q6_K from kWideRowsVnni
-// rows; each part's column blocks split over the caller's OpenMP threads; from a row threshold (use_panels) the
+// of x a tile on AVX2, 8 on AVX-512; one row of a 5- or 6-bit format on AVX2 multiplies the two int8 parts with
+// vpmaddubsw instead, Bytes1) on AVX2 and AVX-512 without VNNI, and on VNNI for Q6_K from kWideRowsVnni rows; each
+// part's column blocks split over the caller's OpenMP threads; from a row threshold (use_panels) the
 // dequantized panels of kquant_panel.cpp: float32 or bfloat16 W^T panels into torch's GEMM, the dequantized model's
 // own products; and on AVX2 from x16_rows() rows instead the x16 panels of kquant_x16.cpp (the wide tiles' products,
 // a column block's codes widened once for all rows: 1.5-1.7x the float32 panels at 128 rows on a Zen 5). From
