@@ -20,7 +20,9 @@
 //   Q6_K wide / x16 / float32 panels at 128 rows: 39.9 / 31.4 / 42.9 and 38.2 / 28.5 / 41.5; Q4_0 32.8 / 27.0 / 41.9
 //   Q8_0 (q8_gemm) int16 tiles / x16 / float32 panels: 16 rows 4.8 / 4.8 / 9.4, 128 rows 38.3 / 27.1 / 43.8 and
 //   35.0 / 25.0 / 42.1.
-// So from kX16Rows = 24 rows (below, the panel's build is not yet paid back). A 128-token prefill of the 1.17B Q4_K_M
+// So from kX16Rows = 24 rows (below, the panel's build is not yet paid back). Codes centred in the panel (kCenter,
+// 2026-11-29, 128 rows): Q6_K 29.7 / 27.3 -> 25.6 / 24.4 ms, Q5_0 25.7 / 23.5 -> 24.4 / 22.6, Q4_0 25.2 / 23.1 ->
+// 24.1 / 22.5; a 128-token prefill of the 1.17B Q6_K file on the AVX2 paths 924-940 -> 833-850 ms. A 128-token prefill of the 1.17B Q4_K_M
 // served on the AVX2 paths: TTFT 1672 -> 813 ms (llama.cpp's AVX2 build: 924). On AVX-512 the same tile on zmm (8 or
 // 12 rows, vpdpwssd) lost to the VNNI int8 tiles and the bfloat16 panels (Zen 5, Q8_0 at 128 rows: 16.1 / 15.8 /
 // 10.5 ms), so this is AVX2 only; a forced X16 path on an AVX-512 build runs these AVX2 tiles (the tests).
@@ -52,6 +54,14 @@ struct FQ8 {
   static constexpr int kS = 32, kSub = 0;
 };
 
+// A format whose offset is a fixed number of code steps (Q4_0 8, Q5_0 16, Q6_K 32: w = D sc (q - c)) is widened into
+// the panel as q - c, so a unit's epilogue has no offset term (and Q8_0, signed already, none either): one of its
+// three float operations a row and column, a third of the epilogue (Q6_K's 16-k units pay it twice as often).
+template <class F>
+constexpr int kCenter = F::kStoresM || F::kOwnMins ? -1 : F::kMMul;  // -1: an offset of its own (Q4_1, Q4_K, ...)
+template <>
+constexpr int kCenter<FQ8> = 0;
+
 // One 16-column block's codes as int16 pairs ([K / 2][16] int32, pair p of a 32-k chunk: codes of x16's pair p) and
 // per unit and column D sc and M mn.
 struct Panel {
@@ -65,7 +75,10 @@ inline void widen_group(const uint8_t* b, int j32, int lane0, int32_t* chunk) {
   V::I w0, w1;
   unpack<V, F, G>(b, j32, lane0, w0, w1);
   const V::I lo = V::set32(0x00ff00ff);  // bytes 0, 2 of a lane: k 4G, 4G + 2 (x16's order x0 x2 x1 x3)
-  auto put = [&](int pair, V::I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + pair * 16 + lane0), v); };
+  const V::I c = V::set16(std::max(0, kCenter<F>));
+  auto put = [&](int pair, V::I v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(chunk + pair * 16 + lane0), _mm256_sub_epi16(v, c));
+  };
   put(2 * G, V::and_(w0, lo));
   put(2 * G + 1, V::template shift16<-8>(w0));
   put(8 + 2 * G, V::and_(w1, lo));
@@ -160,10 +173,12 @@ void tile(const Panel& p, const XQuant& xq, int64_t row0, int64_t u0, int64_t u1
     const float* sa = p.sa.data() + u * kCols;
     const float* mn = p.mn.data() + u * kCols;
     for (int r = 0; r < R; ++r) {
-      const FV d = V::fset(dx[(row0 + r) * nu + u]), s = V::fset(xs[(row0 + r) * nu + u]);
+      const FV d = V::fset(dx[(row0 + r) * nu + u]);
+      [[maybe_unused]] const FV s = V::fset(xs[(row0 + r) * nu + u]);
       for (int h = 0; h < H; ++h) {
         const FV t = V::mul(V::cvt(ia[r][h]), d);
-        f[r][h] = V::fnmadd(V::fload(mn + h * V::kL), s, V::fmadd(t, V::fload(sa + h * V::kL), f[r][h]));
+        if constexpr (kCenter<F> >= 0) f[r][h] = V::fmadd(t, V::fload(sa + h * V::kL), f[r][h]);
+        else f[r][h] = V::fnmadd(V::fload(mn + h * V::kL), s, V::fmadd(t, V::fload(sa + h * V::kL), f[r][h]));
       }
     }
   }
