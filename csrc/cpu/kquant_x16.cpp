@@ -20,12 +20,12 @@
 //   Q6_K wide / x16 / float32 panels at 128 rows: 39.9 / 31.4 / 42.9 and 38.2 / 28.5 / 41.5; Q4_0 32.8 / 27.0 / 41.9
 //   Q8_0 (q8_gemm) int16 tiles / x16 / float32 panels: 16 rows 4.8 / 4.8 / 9.4, 128 rows 38.3 / 27.1 / 43.8 and
 //   35.0 / 25.0 / 42.1.
-// So from kX16Rows = 24 rows (below, the panel's build is not yet paid back). Codes centred in the panel (kCenter,
-// 2026-11-29, 128 rows): Q6_K 29.7 / 27.3 -> 25.6 / 24.4 ms, Q5_0 25.7 / 23.5 -> 24.4 / 22.6, Q4_0 25.2 / 23.1 ->
-// 24.1 / 22.5; a 128-token prefill of the 1.17B Q6_K file on the AVX2 paths 924-940 -> 833-850 ms. A 128-token prefill of the 1.17B Q4_K_M
-// served on the AVX2 paths: TTFT 1672 -> 813 ms (llama.cpp's AVX2 build: 924). On AVX-512 the same tile on zmm (8 or
-// 12 rows, vpdpwssd) lost to the VNNI int8 tiles and the bfloat16 panels (Zen 5, Q8_0 at 128 rows: 16.1 / 15.8 /
-// 10.5 ms), so this is AVX2 only; a forced X16 path on an AVX-512 build runs these AVX2 tiles (the tests).
+// So from kX16Rows = 24 rows (below, the panel's build is not yet paid back). A 128-token prefill of the 1.17B
+// Q4_K_M served on the AVX2 paths: TTFT 1672 -> 813 ms (llama.cpp's AVX2 build: 924). Codes centred in the panel
+// (kCenter, 2026-11-29, 128 rows): Q6_K 29.7 / 27.3 -> 25.6 / 24.4 ms, Q5_0 25.7 / 23.5 -> 24.4 / 22.6, Q4_0 25.2 /
+// 23.1 -> 24.1 / 22.5; a 128-token prefill of the 1.17B Q6_K file 924-940 -> 833-850 ms. On AVX-512 the same tile
+// on zmm (8 or 12 rows, vpdpwssd) lost to the VNNI int8 tiles and the bfloat16 panels (Zen 5, Q8_0 at 128 rows: 16.1
+// / 15.8 / 10.5 ms), so this is AVX2 only; a forced X16 path on an AVX-512 build runs these AVX2 tiles (the tests).
 #include "kquant_blocks.h"
 
 namespace pagedserve {
