@@ -173,6 +173,21 @@ inline void qk_tile(float* logits, int64_t padded, const TQ* q, const TK* const 
 // 0.285 -> 0.222.
 constexpr int64_t kWidenMaxHead = 256;
 
+// The K rows of tokens j .. j + M - 1 (block / offset: token j's, advanced past them); the padding lanes past the
+// item's end repeat the last row.
+template <int M, typename T>
+inline void key_rows(const T* (&k)[M], const Item<T>& it, int64_t j, int64_t& block, int64_t& offset,
+                     const Geometry& g) {
+  for (int t = 0; t < M; ++t) {
+    if (j + t == it.end) {
+      for (; t < M; ++t) k[t] = k[t - 1];
+      return;
+    }
+    k[t] = row(it.key_cache, it, block, offset, g);
+    if (++offset == g.block_size) offset = 0, ++block;
+  }
+}
+
 template <int N, typename T>
 void qk_widened(float* logits, int64_t padded, const Item<T>& it, const Geometry& g, Lookahead<T>& la) {
   constexpr int M = N > 8 ? 8 : N;
@@ -182,15 +197,11 @@ void qk_widened(float* logits, int64_t padded, const Item<T>& it, const Geometry
   int64_t block = it.begin / g.block_size, offset = it.begin % g.block_size;
   for (int64_t j = it.begin; j < it.end; j += M) {
     la.advance(M);
+    const T* src[M];
+    key_rows(src, it, j, block, offset, g);
     for (int t = 0; t < M; ++t) {
-      if (j + t == it.end) {  // the padding lanes repeat the last row
-        for (; t < M; ++t) k[t] = k[t - 1];
-        break;
-      }
-      const T* src = row(it.key_cache, it, block, offset, g);
-      for (int64_t d = 0; d < H; d += N) simd::store<N>(kf + t * H + d, simd::load<N>(src + d));
+      for (int64_t d = 0; d < H; d += N) simd::store<N>(kf + t * H + d, simd::load<N>(src[t] + d));
       k[t] = kf + t * H;
-      if (++offset == g.block_size) offset = 0, ++block;
     }
     for (int64_t h = 0; h < g.group; ++h) {
       qk_tile<M, 1>(logits + h * padded + (j - it.begin), padded, it.query + h * g.q_stride_head, k, g);
@@ -216,14 +227,7 @@ void qk(float* logits,  // [group, padded]
   int64_t block = it.begin / g.block_size, offset = it.begin % g.block_size;  // no division per row
   for (int64_t j = it.begin; j < it.end; j += M) {
     la.advance(M);
-    for (int t = 0; t < M; ++t) {
-      if (j + t == it.end) {  // the padding lanes repeat the last row
-        for (; t < M; ++t) k[t] = k[t - 1];
-        break;
-      }
-      k[t] = row(it.key_cache, it, block, offset, g);
-      if (++offset == g.block_size) offset = 0, ++block;
-    }
+    key_rows(k, it, j, block, offset, g);
     for (int64_t h = 0; h < g.group; h += kQkTile) {
       float* l = logits + h * padded + (j - it.begin);
       const T* q = it.query + h * g.q_stride_head;
