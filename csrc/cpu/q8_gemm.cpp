@@ -18,9 +18,9 @@
 //     row of x is split per 32-block into two int8 parts, x = dx * (xh + xl / 254) with dx = amax / 127,
 //     xh = round(x / dx) and xl = round(254 (x / dx - xh)), and vpdpbusd sums 4 products (q + 128) * xh (and * xl)
 //     a lane. The offset is taken off per block with the row's 128 * sum(xh) (and xl), so both sums are exact in
-//     int32; then acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest value,
-//     finer than bfloat16's rounding of x itself: one part alone (llama.cpp's Q8_0 x Q8_0 dot) moved SmolLM2's
-//     greedy outputs off the float product's (204 of 256 tokens).
+//     int32; then acc += (sum_h + sum_l / 254) * (d * dx). The two parts carry x to 1 / 64516 of its block's largest
+//     value, finer than bfloat16's rounding of x itself: one part alone (llama.cpp's Q8_0 x Q8_0 dot) moved
+//     SmolLM2's greedy outputs off the float product's (204 of 256 tokens).
 //   kAvx2 (AVX2 + FMA; the default on AVX2 CPUs below kPanelRowsAvx2 rows): x in kVnni's two int8 parts, folded into
 //     one int16 a k, v = 254 xh + xl (|v| <= 32385); each weight byte is made signed (xor 0x80), sign-extended to
 //     int16 and multiplied with v by vpmaddwd (|pair sum| <= 2 * 127 * 32385: a block's int32 sums are exact), then
@@ -164,8 +164,9 @@ struct Stream {
 
 constexpr float kLowSteps = 254.0f;  // xl's steps per step of xh
 
-// x quantized per 32-block in two parts (the VNNI path; the AVX2 path folds them into X16): int8 rows of kb * 32 (K padded with zeros) of xh and of xl,
-// per block its scale dx and 128 * sum(xh), 128 * sum(xl) (what the weights' offset adds to a block's integer sums).
+// x quantized per 32-block in two parts (the VNNI path; the AVX2 path folds them into X16): int8 rows of kb * 32 (K
+// padded with zeros) of xh and of xl, per block its scale dx and 128 * sum(xh), 128 * sum(xl) (what the weights'
+// offset adds to a block's integer sums).
 struct XQuant {
   std::vector<int8_t> q, ql;
   std::vector<float> d;
