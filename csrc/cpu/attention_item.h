@@ -170,7 +170,7 @@ inline void qk_tile(float* logits, int64_t padded, const TQ* q, const TK* const 
 // keys' sums) widens each group of M rows to float32 once, into kf (L1), for all the group's heads: the widening
 // was 2 of the 3 instructions a product. Zen 5 held to AVX2, one thread, SmolLM2's 9 / 3 heads of 64, bfloat16, 8
 // sequences (`kernels.py --smollm2 --ops paged`): a layer's decode attention at 192 tokens 0.107 -> 0.082 ms, at 512
-// 0.285 -> 0.222.
+// 0.285 -> 0.222; with K, q and V widened 16 values at a time (simd::widen16_permuted) 0.068 and 0.178.
 constexpr int64_t kWidenMaxHead = 256;
 
 // The K rows of tokens j .. j + M - 1 (block / offset: token j's, advanced past them); the padding lanes past the
@@ -188,23 +188,58 @@ inline void key_rows(const T* (&k)[M], const Item<T>& it, int64_t j, int64_t& bl
   }
 }
 
+// Whether a bfloat16 row is widened 16 values at a time in simd::widen16_permuted's lane order (AVX2).
+template <int N, typename T>
+constexpr bool kPermutedBf16 =
+#if defined(__AVX2__)
+    N == 8 && std::is_same_v<T, c10::BFloat16>;
+#else
+    false;
+#endif
+constexpr int64_t kWidenMaxQ = 4096;  // floats of a group's q rows widened once (qk_widened, permuted)
+
+// AVX2, bfloat16, head_size a multiple of 16: K rows and the group's q rows in widen16_permuted's lane order (the same
+// order on both sides of a dot product); else in order.
 template <int N, typename T>
 void qk_widened(float* logits, int64_t padded, const Item<T>& it, const Geometry& g, Lookahead<T>& la) {
   constexpr int M = N > 8 ? 8 : N;
   alignas(64) float kf[M * kWidenMaxHead];
+  alignas(64) float qf[kPermutedBf16<N, T> ? kWidenMaxQ : 1];
   const float* k[M];
   const int64_t H = g.head_size;
+  const bool permuted = kPermutedBf16<N, T> && H % 16 == 0 && g.group * H <= kWidenMaxQ;
+  auto widen = [&](float* dst, const T* src) {
+#if defined(__AVX2__)
+    if constexpr (kPermutedBf16<N, T>) {
+      if (permuted) {
+        for (int64_t d = 0; d < H; d += 16) {
+          Vec<8> lo, hi;
+          simd::widen16_permuted(src + d, lo, hi);
+          simd::store<8>(dst + d, lo);
+          simd::store<8>(dst + d + 8, hi);
+        }
+        return;
+      }
+    }
+#endif
+    for (int64_t d = 0; d < H; d += N) simd::store<N>(dst + d, simd::load<N>(src + d));
+  };
+  if (permuted) {
+    for (int64_t h = 0; h < g.group; ++h) widen(qf + h * H, it.query + h * g.q_stride_head);
+  }
   int64_t block = it.begin / g.block_size, offset = it.begin % g.block_size;
   for (int64_t j = it.begin; j < it.end; j += M) {
     la.advance(M);
     const T* src[M];
     key_rows(src, it, j, block, offset, g);
     for (int t = 0; t < M; ++t) {
-      for (int64_t d = 0; d < H; d += N) simd::store<N>(kf + t * H + d, simd::load<N>(src[t] + d));
+      widen(kf + t * H, src[t]);
       k[t] = kf + t * H;
     }
     for (int64_t h = 0; h < g.group; ++h) {
-      qk_tile<M, 1>(logits + h * padded + (j - it.begin), padded, it.query + h * g.q_stride_head, k, g);
+      float* l = logits + h * padded + (j - it.begin);
+      if (permuted) qk_tile<M, 1>(l, padded, static_cast<const float*>(qf + h * H), k, g);
+      else qk_tile<M, 1>(l, padded, it.query + h * g.q_stride_head, k, g);
     }
   }
 }
@@ -268,6 +303,8 @@ template <int N, int GT, int S, typename T>
 void pv_slice(float* acc,       // [GT, head_size]
               const float* p,   // [GT, padded] softmax numerators
               int64_t padded, int64_t d0, const Item<T>& it, const Geometry& g, Lookahead<T>* la) {
+  // AVX2, bfloat16: a V row's 16 values widened by simd::widen16_permuted, the sums unpermuted once at the end
+  constexpr bool kPermuted = kPermutedBf16<N, T> && S % 2 == 0;
   Vec<N> a[GT][S] = {};
   const int64_t B = g.block_size, H = g.head_size;
   for (int64_t j = it.begin, block = j / B, offset = j % B; j < it.end; ++block, offset = 0) {
@@ -278,9 +315,16 @@ void pv_slice(float* acc,       // [GT, head_size]
     for (int64_t r = 0; r < n; ++r, v += H) {
       if (la && r % 8 == 0) la->advance(8);
       Vec<N> x[S];
-      for (int s = 0; s < S; ++s) {
-        x[s] = simd::load<N>(v + s * N);
-        simd::keep_in_register<N>(x[s]);  // once per row, not once per head
+      if constexpr (kPermuted) {
+#if defined(__AVX2__)
+        for (int s = 0; s < S; s += 2) simd::widen16_permuted(v + s * N, x[s], x[s + 1]);
+#endif
+        for (int s = 0; s < S; ++s) simd::keep_in_register<N>(x[s]);
+      } else {
+        for (int s = 0; s < S; ++s) {
+          x[s] = simd::load<N>(v + s * N);
+          simd::keep_in_register<N>(x[s]);  // once per row, not once per head
+        }
       }
       for (int h = 0; h < GT; ++h) {
         const Vec<N> w = simd::splat<N>(pj[h * padded + r]);
@@ -289,6 +333,11 @@ void pv_slice(float* acc,       // [GT, head_size]
     }
   }
   for (int h = 0; h < GT; ++h) {
+#if defined(__AVX2__)
+    if constexpr (kPermuted) {
+      for (int s = 0; s < S; s += 2) simd::unpermute16(a[h][s], a[h][s + 1]);
+    }
+#endif
     for (int s = 0; s < S; ++s) simd::store<N>(acc + h * H + d0 + s * N, a[h][s]);
   }
 }
