@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -213,6 +214,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.model, max_model_len=max_len, kv_cache_space=0.5, swap_space=0.1,
                                     max_num_seqs=max(256, args.batch), dtype=args.dtype,
                                     quantization=args.quantization, enforce_eager=args.enforce_eager))
+    gc.collect()
+    gc.freeze()  # as `pagedserve serve` does after load: collections walk only what the steps make
     timer = StageTimer()
     instrument(engine, timer)
     if args.prefill:
