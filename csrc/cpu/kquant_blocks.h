@@ -65,6 +65,12 @@ inline int32_t pair16(const int16_t* p) {  // two int16 as one 32-bit lane (a vp
   return v;
 }
 
+inline int32_t four(const int8_t* p) {  // four int8 of x as one 32-bit lane (a vpmaddubsw / vpdpbusd operand)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 inline float half_at(const uint8_t* p, int i) {
   uint16_t h;
   std::memcpy(&h, p + 2 * i, 2);
@@ -168,7 +174,9 @@ struct V256 {
   static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }
   static I maddubs(I w, I x) { return _mm256_maddubs_epi16(w, x); }
-  static I dot(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), set16(1))); }
+  static I dot(I acc, I w, I x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), set16(1)));
+  }
   static I dot16(I acc, I w, I x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }  // int16 pairs
   static I pairs(const uint8_t* p) {  // 8 columns' int8 pairs -> int16 pairs in 32-bit lanes
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

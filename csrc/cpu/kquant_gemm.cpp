@@ -262,12 +262,6 @@ void plain_blocks(const XQuant& xq, int64_t m, const uint8_t* w, int64_t b0, int
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-inline int32_t four(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // One 32-k chunk of R rows: S1 += its sub-scaled integer dot products (the sub-scales: sc pairs `p` as loaded,
 // even or odd member for Q4_K / Q5_K; both for Q6_K).
 template <class V, class F, int R, int G>

@@ -84,11 +84,6 @@ struct Bytes1 {
     t = V::add(t, V::add(V::madd(hb, h), V::madd(lb, l)));
     ha = la = hb = lb = V::zero();
   }
-  static int32_t four(const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
-  }
 };
 
 template <class V, class F>

@@ -174,11 +174,12 @@ void tile(const Panel& p, const XQuant& xq, int64_t row0, int64_t u0, int64_t u1
     const float* mn = p.mn.data() + u * kCols;
     for (int r = 0; r < R; ++r) {
       const FV d = V::fset(dx[(row0 + r) * nu + u]);
-      [[maybe_unused]] const FV s = V::fset(xs[(row0 + r) * nu + u]);
       for (int h = 0; h < H; ++h) {
         const FV t = V::mul(V::cvt(ia[r][h]), d);
-        if constexpr (kCenter<F> >= 0) f[r][h] = V::fmadd(t, V::fload(sa + h * V::kL), f[r][h]);
-        else f[r][h] = V::fnmadd(V::fload(mn + h * V::kL), s, V::fmadd(t, V::fload(sa + h * V::kL), f[r][h]));
+        f[r][h] = V::fmadd(t, V::fload(sa + h * V::kL), f[r][h]);
+        if constexpr (kCenter<F> < 0) {  // the offset term: M mn (dx sum x16)
+          f[r][h] = V::fnmadd(V::fload(mn + h * V::kL), V::fset(xs[(row0 + r) * nu + u]), f[r][h]);
+        }
       }
     }
   }
