@@ -113,7 +113,7 @@ model_dir() {
 pagedserve_model() {
     case $1 in
         q8_0|q[2-6]_*) echo "$(gguf_file "$1")" --dtype "$PS_Q8_DTYPE" ;;
-        *) [[ $MODEL == smollm2 ]] && echo --dtype "$1" || echo "$(model_dir)" --dtype "$1" ;;
+        *) echo "$(model_dir)" --dtype "$1" ;;  # smollm2: its float32 folder (the default is the Q4_1 file)
     esac
 }
 

@@ -92,6 +92,23 @@ def _drop_quantization_config(folder: Path) -> None:
     os.replace(tmp, config_file)
 
 
+def default_model_for(config: EngineConfig) -> Path:
+    """The default SmolLM2 as this engine serves it best: the package's Q4_1 GGUF as its own blocks where those run
+    natively (a CPU engine on one rank, no --quantization, --load-format auto or gguf, the kernels built for this
+    CPU), else the float32 folder converted from that file (CUDA, tensor parallelism, --quantization int8 / fp8 /
+    none / a block type). Both are the same model (the folder is the file dequantized, and the blocks give its greedy
+    tokens: docs/benchmarks.md); the file needs no conversion, half the memory, and decodes 1.4-3.5x faster."""
+    native = (config.quantization is None and config.load_format in ("auto", "gguf")
+              and config.tensor_parallel_size == 1 and resolve_device(config).type == "cpu")
+    if native:
+        from engine.model_executor.gguf_native import is_native_gguf
+
+        path = default_gguf_path()
+        if is_native_gguf(path):
+            return path
+    return default_model_path()
+
+
 def convert_gguf_to_hf(gguf_path: Path, target: Path) -> None:
     """Dequantize a GGUF file into an HF folder (float32 safetensors, tokenizer, config), atomically."""
     from tqdm.auto import tqdm
@@ -223,7 +240,7 @@ class _Source(NamedTuple):
 
 
 def _source(config: EngineConfig) -> _Source:
-    model_path = Path(config.model).expanduser() if config.model else default_model_path()
+    model_path = Path(config.model).expanduser() if config.model else default_model_for(config)
     if not model_path.exists():
         raise ValueError(f"--model {config.model!r}: no such folder or file (models are never downloaded).")
     fmt = _load_format(config, model_path)

@@ -100,7 +100,7 @@ def test_fp8_engine_gives_the_reference_arithmetics_tokens_and_frees_its_blocks(
     assert same >= 0.95 * sum(map(len, expected)), (served, expected)
 
 
-def test_fp8_on_the_default_model_keeps_most_of_bfloat16s_next_tokens():
+def test_fp8_on_the_default_model_keeps_most_of_bfloat16s_next_tokens(default_model_dir):
     """SmolLM2 (real weights): teacher-forced over a prompt, the fp8 model puts bfloat16's top token first at 80 %+ of
     the positions (benchmarks/quant_quality.py measured 89.6 % over 1024 tokens; int8: 95.6 %)."""
     text = ("The history of the city goes back to a small fishing village on the river. Over the centuries it grew "
@@ -109,7 +109,7 @@ def test_fp8_on_the_default_model_keeps_most_of_bfloat16s_next_tokens():
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     tops = []
     for quantization in (None, "fp8"):
-        llm = LLM(dtype="bfloat16", quantization=quantization, max_model_len=256, seed=0)
+        llm = LLM(str(default_model_dir), dtype="bfloat16", quantization=quantization, max_model_len=256, seed=0)
         out = llm.generate([text], params, use_tqdm=False)[0]
         tops.append([max(p, key=p.get) for p in out.prompt_logprobs[1:]])
         del llm

@@ -17,7 +17,7 @@ def _params(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_gguf_and_its_converted_cache_give_identical_weights_and_tokenizer(default_model_dir):
-    from_cache = loader.load_model(EngineConfig(device="cpu"), pack_cpu_linears=False)
+    from_cache = loader.load_model(EngineConfig(model=str(default_model_dir), device="cpu"), pack_cpu_linears=False)
     # quantization none: the file dequantized (served as it is, its Q4_1 blocks would hold no float weights)
     from_gguf = loader.load_model(EngineConfig(model=str(loader.default_gguf_path()), device="cpu",
                                                quantization="none"), pack_cpu_linears=False)
@@ -32,6 +32,38 @@ def test_gguf_and_its_converted_cache_give_identical_weights_and_tokenizer(defau
     assert tok_a.eos_token == tok_b.eos_token == "<|im_end|>"
     text = "Hello world, <|im_start|>user\nhi<|im_end|>"
     assert tok_a(text).input_ids == tok_b(text).input_ids
+
+
+def test_default_model_is_the_q4_1_file_where_its_blocks_run_else_the_folder(default_model_dir):
+    from engine.model_executor.gguf_native import is_native_gguf
+
+    gguf = loader.default_gguf_path()
+    assert loader.default_model_for(EngineConfig(device="cpu")) == (gguf if is_native_gguf(gguf) else default_model_dir)
+    for fields in (dict(quantization="int8"), dict(quantization="none"), dict(load_format="safetensors"),
+                   dict(tensor_parallel_size=2)):
+        assert loader.default_model_for(EngineConfig(device="cpu", **fields)) == default_model_dir, fields
+
+
+@pytest.mark.slow
+def test_default_model_served_as_q4_1_blocks_gives_the_float32_folders_greedy_tokens(default_model_dir):
+    """What `pagedserve serve` with no --model runs (the package's Q4_1 file as its blocks, float32 activations)
+    decodes the tokens of the float32 folder it used to serve (that file dequantized), prompt by prompt."""
+    from engine import LLM
+    from engine.model_executor.gguf_native import is_native_gguf
+    from engine.sampling_params import SamplingParams
+
+    if not is_native_gguf(loader.default_gguf_path()):
+        pytest.skip("no block kernels for this CPU: the default is the folder itself")
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "Hi", "Once upon a time, in a land far away,",
+               "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for model in (None, str(default_model_dir)):
+        llm = LLM(model, max_model_len=256, kv_cache_space=0.05, swap_space=0.01, seed=0)
+        assert llm.engine.config.model_name == "SmolLM2-135M-Instruct"
+        outputs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert outputs[0] == outputs[1]
 
 
 def test_default_model_folder_keeps_chat_template_and_eos(default_model_dir):

@@ -181,7 +181,7 @@ def test_phi3_longrope_matches_hf(tmp_path, default_model_dir, max_model_len, le
 
 @pytest.fixture(scope="module")
 def smollm2(default_model_dir):
-    loaded = load_model(EngineConfig(device="cpu", dtype="float32"))
+    loaded = load_model(EngineConfig(model=str(default_model_dir), device="cpu", dtype="float32"))
     hf_model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
     return loaded, hf_model
 
@@ -197,7 +197,7 @@ def test_default_smollm2_matches_hf(smollm2):
 
 
 @pytest.mark.slow
-def test_default_smollm2_bfloat16_tracks_hf_float32(smollm2):
+def test_default_smollm2_bfloat16_tracks_hf_float32(smollm2, default_model_dir):
     """--dtype bfloat16 (the fast path on CPUs with AVX-512 BF16) keeps HF float32's next tokens and logprobs.
 
     bf16 has 8 bits of mantissa: logprobs move by up to ~0.1 nat here on a Zen 4 (0.09 seen over these 24 rows),
@@ -207,7 +207,7 @@ def test_default_smollm2_bfloat16_tracks_hf_float32(smollm2):
     0.251 nat (0.16 on the small-row kernel alone; HF's own bfloat16 model moved it 0.107), 0.008 in probability.
     """
     _, hf_model = smollm2
-    loaded = load_model(EngineConfig(device="cpu", dtype="bfloat16"))
+    loaded = load_model(EngineConfig(model=str(default_model_dir), device="cpu", dtype="bfloat16"))
     assert loaded.model.lm_head.weight.dtype == torch.bfloat16
     tok = loaded.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Hi", "Once upon a time, in a land far, far away, there lived",
