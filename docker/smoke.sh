@@ -130,6 +130,8 @@ if [ -z "$healthy" ]; then
     log "the server never answered /health"; exit 1
 fi
 timing "container start to /health 200" $(( $(now) - t ))
+# What the container serves (the default on a CPU: the package's Q4_1 file as its blocks).
+log "$("${DOCKER[@]}" logs "$NAME" 2>&1 | grep -m1 'model_executor.loader: loaded' | sed 's/.*loader: //')"
 
 t0=$(date +%s.%N)
 model=$(curl -fsS "http://127.0.0.1:$PORT/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')

@@ -443,8 +443,21 @@ def generation_stop_ids(model: Optional[str], tokenizer) -> list[int]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Print the default model's float32 folder, converted once (what CUDA, tensor parallelism and the tests load);
+    with --device cpu the default a CPU engine serves instead, made ready: the Q4_1 file with its tokenizer kept in
+    the cache (the CPU image's build), or the folder where its blocks have no kernels."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m engine.model_executor.loader")
+    parser.add_argument("--device", choices=("cpu",), default=None)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    print(default_model_path())
+    if args.device is None:
+        print(default_model_path())
+        return 0
+    config = EngineConfig(device=args.device)
+    load_tokenizer(_source(config))
+    print(default_model_for(config))
     return 0
 
 
