@@ -34,11 +34,14 @@ def test_gguf_and_its_converted_cache_give_identical_weights_and_tokenizer(defau
     assert tok_a(text).input_ids == tok_b(text).input_ids
 
 
-def test_default_model_is_the_q4_1_file_where_its_blocks_run_else_the_folder(default_model_dir):
+def test_default_model_is_the_q4_1_file_where_its_blocks_run_else_the_folder(default_model_dir, capsys):
     from engine.model_executor.gguf_native import is_native_gguf
 
     gguf = loader.default_gguf_path()
-    assert loader.default_model_for(EngineConfig(device="cpu")) == (gguf if is_native_gguf(gguf) else default_model_dir)
+    cpu_default = gguf if is_native_gguf(gguf) else default_model_dir
+    assert loader.default_model_for(EngineConfig(device="cpu")) == cpu_default
+    assert loader.main(["--device", "cpu"]) == 0 and loader.main([]) == 0  # the CPU image's build step; make's
+    assert capsys.readouterr().out.split() == [str(cpu_default), str(default_model_dir)]
     for fields in (dict(quantization="int8"), dict(quantization="none"), dict(load_format="safetensors"),
                    dict(tensor_parallel_size=2)):
         assert loader.default_model_for(EngineConfig(device="cpu", **fields)) == default_model_dir, fields
