@@ -112,8 +112,14 @@ model: | $(PY)
 	  rm -f $(VENV)/.model-path-*; printf '%s' "$$path" > $(MODEL_PATH_STAMP); \
 	fi
 
+# On a CPU the default is the package's Q4_1 file, served as its blocks (loader --device cpu keeps its tokenizer and
+# converts the float32 folder only where the kernels cannot serve the file); on CUDA the folder (`model`).
 serve: setup
+ifeq ($(DEVICE),cpu)
+	@echo ">> the default model on a CPU:" && $(PY) -m engine.model_executor.loader --device cpu
+else
 	@$(MAKE) --no-print-directory model
+endif
 	exec $(VENV)/bin/pagedserve serve --host $(HOST) --port $(PORT) $(ARGS)
 
 # The CUDA kernels are compile-checked wherever nvcc exists (no GPU needed); pytest's status

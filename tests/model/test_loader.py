@@ -142,6 +142,17 @@ def test_folder_without_weights_and_unknown_architecture_are_refused(tmp_path, d
         loader.load_model(EngineConfig(model=str(tmp_path / "missing"), device="cpu"))
 
 
+@pytest.mark.parametrize("blocks", [True, False])
+def test_native_bf16_advice_names_what_bfloat16_buys_for_the_weights_served(blocks, monkeypatch, caplog):
+    # A GGUF's blocks multiply integers whatever the dtype: the advice must not promise them the float linears' 1.5x.
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    with caplog.at_level("INFO", logger=loader.logger.name):
+        assert loader.resolve_dtype(EngineConfig(), None, torch.device("cpu"), blocks=blocks) == torch.float32
+    advice = [r.getMessage() for r in caplog.records if "bfloat16 natively" in r.getMessage()]
+    assert len(advice) == 1
+    assert ("about as fast" in advice[0]) == blocks and ("about 1.5x faster" in advice[0]) != blocks
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("small_row_bf16", [True, False])
 def test_bfloat16_on_a_cpu_without_native_bf16_warns(native, small_row_bf16, monkeypatch, caplog):
