@@ -1,16 +1,55 @@
-"""The offline batch API: LLM(model=...).generate(prompts, params)."""
+"""The offline batch API: LLM(model=...).generate(prompts, params) and .chat(messages, params), as vLLM's."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional, Sequence as Seq, Union
+from typing import Any, Optional, Sequence as Seq, Union
 
 from tqdm.auto import tqdm
 
+from engine.chat import template_message
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
+
+
+Prompt = Union[str, dict[str, Any]]  # a string, or vLLM's TextPrompt {"prompt"} / TokensPrompt {"prompt_token_ids"}
+Message = dict[str, Any]  # {"role": ..., "content": str or [{"type": "text", "text": ...}, ...]}
+
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+
+
+def _prompt_inputs(prompts, prompt_token_ids) -> tuple[list[Optional[str]], list[Optional[list[int]]]]:
+    """Each prompt's (text, token ids), either None where not given; TypeError / ValueError naming what is wrong."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if prompts is None and prompt_token_ids is None:
+        raise ValueError("either prompts or prompt_token_ids must be given")
+    if prompts is None:
+        return [None] * len(prompt_token_ids), [list(ids) for ids in prompt_token_ids]
+    texts: list[Optional[str]] = []
+    token_ids: list[Optional[list[int]]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            text, ids = p, None
+        elif isinstance(p, dict):
+            unknown = sorted(set(p) - _PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompt {i}: {', '.join(unknown)} not supported (a dict prompt holds "
+                                 "'prompt' and/or 'prompt_token_ids'; this engine serves text-only models)")
+            if "prompt" not in p and "prompt_token_ids" not in p:
+                raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            text, ids = p.get("prompt"), p.get("prompt_token_ids")
+        else:
+            raise TypeError(f"prompt {i}: expected a string or a dict, got {type(p).__name__}")
+        texts.append(text)
+        token_ids.append(list(ids) if ids is not None else None)
+    if prompt_token_ids is not None:
+        if len(prompt_token_ids) != len(texts):
+            raise ValueError("prompts and prompt_token_ids must have the same length")
+        token_ids = [list(ids) for ids in prompt_token_ids]
+    return texts, token_ids
 
 
 class LLM:
@@ -32,7 +71,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[None, str, Seq[str]] = None,
+        prompts: Union[None, Prompt, Seq[Prompt]] = None,
         sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
         prompt_token_ids: Optional[Seq[Seq[int]]] = None,
         use_tqdm: bool = True,
@@ -40,15 +79,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
-        `priority` (one for all, or one per prompt, as vLLM's) matters with scheduling_policy="priority":
-        a lower value is scheduled first and may preempt running requests of a higher value."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if prompts is None and prompt_token_ids is None:
-            raise ValueError("either prompts or prompt_token_ids must be given")
-        num = len(prompts) if prompts is not None else len(prompt_token_ids)
-        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != num:
-            raise ValueError("prompts and prompt_token_ids must have the same length")
+        A prompt is a string or, as vLLM's, a dict: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids}
+        (TokensPrompt, its "prompt" optional). `priority` (one for all, or one per prompt, as vLLM's) matters with
+        scheduling_policy="priority": a lower value is scheduled first and may preempt running requests of a higher
+        value."""
+        texts, token_ids = _prompt_inputs(prompts, prompt_token_ids)
+        num = len(texts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
@@ -69,8 +105,8 @@ class LLM:
                 order[request_id] = i
                 self.engine.add_request(
                     request_id,
-                    prompt=prompts[i] if prompts is not None else None,
-                    prompt_token_ids=list(prompt_token_ids[i]) if prompt_token_ids is not None else None,
+                    prompt=texts[i],
+                    prompt_token_ids=token_ids[i],
                     params=final[id(params_list[i])],
                     priority=priorities[i],
                 )
@@ -78,6 +114,39 @@ class LLM:
             self.engine.abort_request(list(order))
             raise
         return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Seq[Message], Seq[Seq[Message]]],
+        sampling_params: Union[None, SamplingParams, Seq[SamplingParams]] = None,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        priority: Union[None, int, Seq[int]] = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, each rendered
+        by chat_template (else the tokenizer's) and generated as generate() would; content may be a string or a list
+        of {"type": "text", "text": ...} parts."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else list(messages)
+        if not conversations or not all(conversations):
+            raise ValueError("chat needs at least one message in each conversation")
+        tokenizer = self.engine.tokenizer
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                [template_message(m, template) for m in conversation], tokenize=False, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tools=tools, **(chat_template_kwargs or {}))
+            # The template wrote the special tokens it wants (as the server's chat endpoint: add_special_tokens off).
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[Optional[RequestOutput]] = [None] * len(order)

@@ -1,11 +1,11 @@
 """Request body -> Job: prompts as token ids, one SamplingParams, every check that makes a 400."""
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, Optional, Union
 
+from engine.chat import iterates_content
 from engine.sampling_params import GuidedSpec, SamplingParams
 from server import guided, reasoning, tools
 from server.context import ServerContext
@@ -101,7 +101,7 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTe
     # Templates know system, not OpenAI's newer name for it (chat_messages maps it).
     plain, tool_kwargs = tools.chat_messages(messages, tool_plan, tools.template_renders_tools(template),
                                              _content_text)
-    if _iterates_content(template):  # it renders content parts itself (Gemma's): give them as parts, as HF would
+    if iterates_content(template):  # it renders content parts itself (Gemma's): give them as parts, as HF would
         shift = len(plain) - len(messages)  # (a system message chat_messages put first)
         for m, item in zip(messages, plain[shift:]):
             if isinstance(m.content, list) and item["content"] == _content_text(m.content):
@@ -127,15 +127,6 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], options: ChatTe
         return ctx.tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
     except Exception as exc:  # a template may reject an order of roles, or raise_exception(...) on its own
         raise APIError(f"messages could not be rendered with the chat template: {exc}", 400, "messages") from exc
-
-
-_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+(?:message|msg|m)(?:\[['\"]content['\"]\]|\.content\b)")
-
-
-def _iterates_content(template: Optional[str]) -> bool:
-    """Whether the template loops over a message's content (list-of-parts content, vLLM's "openai" format); else
-    the parts are joined into one string ("string" format)."""
-    return bool(template) and _CONTENT_LOOP.search(template) is not None
 
 
 def _content_text(content: Union[str, list, None]) -> str:

@@ -1,0 +1,65 @@
+"""The offline API as vLLM's users call it: dict prompts (TextPrompt / TokensPrompt) and LLM.chat, on the default
+model, against the same prompts given as strings and token ids; bad inputs are refused with the prompt named."""
+from __future__ import annotations
+
+import pytest
+
+from e2e_helpers import PROMPTS, greedy, token_ids
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_dict_prompts_give_the_tokens_of_strings_and_token_ids(make_llm, prompt_ids, smol_greedy_outputs):
+    llm = make_llm("smol")
+    mixed = [PROMPTS[1], {"prompt": PROMPTS[2]}, {"prompt_token_ids": prompt_ids[3]},
+             {"prompt": "reported as given", "prompt_token_ids": prompt_ids[4]}]
+    outputs = llm.generate(mixed, greedy(), use_tqdm=False)
+    assert token_ids(outputs) == token_ids(smol_greedy_outputs[1:5])
+    assert [o.prompt for o in outputs] == [PROMPTS[1], PROMPTS[2], None, "reported as given"]
+    assert outputs[2].prompt_token_ids == prompt_ids[3]
+    one = llm.generate({"prompt_token_ids": prompt_ids[3]}, greedy(), use_tqdm=False)  # a single dict, not a list
+    assert token_ids(one) == token_ids(smol_greedy_outputs[3:4])
+
+
+def test_chat_renders_the_tokenizers_template_and_generates_from_it(make_llm):
+    llm = make_llm("smol")
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+    expected = llm.generate(None, greedy(), prompt_token_ids=[ids], use_tqdm=False)
+    (out,) = llm.chat(CHAT, greedy(), use_tqdm=False)
+    assert out.prompt_token_ids == list(ids)
+    assert out.prompt.endswith("<|im_start|>assistant\n")  # SmolLM2's template, with the generation prompt
+    assert token_ids([out]) == token_ids(expected) and out.outputs[0].text.strip()
+    # A batch of conversations comes back in order; text parts are joined for a template that takes strings.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    batch = llm.chat([CHAT, parts], greedy(), use_tqdm=False)
+    assert token_ids(batch[:1]) == token_ids([out])
+    assert token_ids(batch[1:]) == token_ids(llm.chat(joined, greedy(), use_tqdm=False))
+
+
+def test_chat_continues_the_final_assistant_message(make_llm):
+    llm = make_llm("smol")
+    partial = CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+    (out,) = llm.chat(partial, greedy(), add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    assert out.prompt.endswith("The capital of France is")  # the turn left open, not closed with <|im_end|>
+    assert "Paris" in out.outputs[0].text
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda llm: llm.generate([PROMPTS[0], 123], greedy()), TypeError, "prompt 1: expected a string or a dict"),
+    (lambda llm: llm.generate([{"prompt": "x", "multi_modal_data": {}}], greedy()), ValueError, "multi_modal_data"),
+    (lambda llm: llm.generate([{"text": "x"}], greedy()), ValueError, "text not supported"),
+    (lambda llm: llm.generate([{}], greedy()), ValueError, "needs 'prompt' or 'prompt_token_ids'"),
+    (lambda llm: llm.chat(CHAT, greedy(), continue_final_message=True), ValueError, "cannot both be true"),
+    (lambda llm: llm.chat([], greedy()), ValueError, "at least one message"),
+    (lambda llm: llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                          greedy()), ValueError, "text-only"),
+])
+def test_bad_offline_inputs_are_refused_naming_the_problem(make_llm, call, error, words):
+    llm = make_llm("smol")
+    with pytest.raises(error, match=words):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()  # nothing of a refused batch stays queued (and blocks: fixture)
