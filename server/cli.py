@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over HTTP")
     serve.add_argument("model", nargs="?", default=None,
                        help="HF folder or .gguf file; omitted: the bundled SmolLM2-135M-Instruct")
+    serve.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the model as vLLM's api_server takes it: the same as MODEL")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the id clients put in `model`")
@@ -118,7 +120,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/cache line")
     serve.add_argument("--log-stats-interval", type=float, default=5.0, help="seconds between stats lines while busy")
+    # vLLM command lines start here unchanged: its flags that have nothing to change in pagedserve are accepted.
+    same = serve.add_argument_group("vLLM's flags accepted as they are (nothing to change here)")
+    same.add_argument("--trust-remote-code", action="store_true",
+                      help="no code of a checkpoint runs here: the model classes are pagedserve's own")
+    same.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="tool_choice auto is always on, the calls parsed by --tool-call-parser")
+    same.add_argument("--disable-log-requests", action="store_true", help="request contents are never logged here")
+    same.add_argument("--kv-cache-dtype", default="auto", choices=["auto"], help="the KV cache is in --dtype")
+    same.add_argument("--tokenizer-mode", default="auto", choices=["auto"],
+                      help="the HF tokenizer (fast where the model has one)")
     return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The command line, with --model (vLLM's api_server) folded into MODEL."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flag = getattr(args, "model_flag", None)
+    if flag is not None:
+        if args.model is not None and args.model != flag:
+            parser.error(f"MODEL ({args.model}) and --model ({flag}) name different models: give one")
+        args.model = flag
+    return args
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -259,7 +283,7 @@ def _after_graceful_shutdown(signum: int, frame: object) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -130,3 +130,36 @@ def test_the_engine_core_process_is_the_default_on_cuda_only():
     assert wants_core_process(None, cuda, torchrun=True) is False
     for config in (cuda, EngineConfig(device="auto")):  # without a GPU the engine fails in-process, saying why
         assert wants_core_process(None, config, torchrun=False) is torch.cuda.is_available()
+
+
+def test_a_vllm_command_line_serves_as_it_is(tmp_path):
+    """`vllm serve`'s usual flags start pagedserve unchanged: --model (its api_server's), and the flags with nothing
+    to change here; tool_choice auto answers with a tool call. What they cannot mean here is refused by name."""
+    from engine.model_executor.loader import default_gguf_path
+    from server.cli import parse_args
+
+    model = str(default_gguf_path())  # the package's Q4_1 file, as a user would name it
+    vllm_flags = ["--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                  "--disable-log-requests", "--kv-cache-dtype", "auto", "--tokenizer-mode", "auto",
+                  "--gpu-memory-utilization", "0.9", "--max-model-len", "512"]
+    proc, base = start_server(["--model", model, *vllm_flags, "--kv-cache-space", "0.25", "--swap-space", "0"],
+                              str(tmp_path / "server.log"))
+    try:
+        served = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": served, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+            "tool_choice": "auto", "max_tokens": 48, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert parse_args(["serve", model, "--model", model]).model == model
+    for argv, words in ((["serve", "/a", "--model", "/b"], "name different models"),
+                        (["serve", "--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
+                        (["serve", "--tokenizer-mode", "mistral"], "invalid choice: 'mistral'")):
+        run = subprocess.run([sys.executable, "-m", "server.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                             timeout=120)
+        assert run.returncode == 2 and words in run.stderr, run.stderr
