@@ -19,7 +19,7 @@ from engine.output_processor import OutputProcessor, RowStops
 from engine.sample.prompt_logprobs import add_prompt_logprobs
 from engine.metrics import INTER_TOKEN_LATENCY_BUCKETS, ITERATION_TOKENS_BUCKETS, EngineStats, Tally
 from engine.sample.sampler import BatchParams, RowSamples, Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, bad_words_token_ids
 from engine.spec_decode import build_spec_decoder
 from engine.core.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
@@ -158,6 +158,9 @@ class LLMEngine:
         extra = [t for t in self.extra_stop_ids if t not in params.stop_token_ids] if not params.ignore_eos else []
         if extra:  # (a copy: params is read, never changed)
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        if params.bad_words and params.bad_words_token_ids is None:  # vLLM's words, tokenized here (a copy)
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer,
+                                                                                         params.bad_words))
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt: either a prompt or prompt_token_ids is required.")

@@ -30,6 +30,48 @@ class GuidedSpec:
         return cls("choice", json.dumps(list(choices)))
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's offline structured outputs (its GuidedDecodingParams before 0.10.2): exactly one of a JSON schema (a
+    dict or a JSON string), a regex, a list of choices, an EBNF grammar, or json_object=True."""
+
+    json: Union[None, str, dict] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def spec(self) -> GuidedSpec:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}.")
+        kind = given[0]
+        if kind == "json":
+            return GuidedSpec("json", self.json if isinstance(self.json, str) else json.dumps(self.json))
+        if kind == "choice":
+            return GuidedSpec.choice(self.choice)
+        return GuidedSpec(kind, "" if kind == "json_object" else getattr(self, kind))
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's token ids at the start of the text and, where they differ, after a space (vLLM's rule);
+    ValueError for a word without tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise ValueError(f"bad_words: {word!r} has no tokens.")
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request. Raises ValueError naming the field."""
@@ -63,8 +105,11 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
     # Token ids of each banned word: its last token is masked whenever the output ends with the others.
     bad_words_token_ids: Optional[list[list[int]]] = None
+    bad_words: Optional[list[str]] = None  # vLLM's: words, made bad_words_token_ids by the engine's tokenizer
     # The output must match this (JSON schema, JSON object, regex, choice, grammar): engine/structured_output/grammars.py.
     guided: Optional[GuidedSpec] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None  # vLLM's name for it (guided_decoding before 0.10.2)
+    guided_decoding: Optional[StructuredOutputsParams] = None
     # The grammar applies after the output's first run of these token ids (a reasoning parser's end marker,
     # `</think>`): the reasoning before it is free. None: from the first token.
     guided_after: Optional[tuple[int, ...]] = None
@@ -89,6 +134,19 @@ class SamplingParams:
                 self.logprobs = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        for name in ("structured_outputs", "guided_decoding"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, StructuredOutputsParams):
+                raise ValueError(f"{name} must be a StructuredOutputsParams, got {type(value).__name__}.")
+            spec = value.spec()
+            if self.guided is not None and self.guided != spec:
+                raise ValueError(f"{name}: the output is constrained already (guided, structured_outputs or "
+                                 "guided_decoding): give one.")
+            self.guided = spec
         self._verify()
         if self.temperature < _EPS and not self.use_beam_search:
             # Greedy: sampling knobs are meaningless, normalise them.

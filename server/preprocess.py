@@ -6,7 +6,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from engine.chat import iterates_content
-from engine.sampling_params import GuidedSpec, SamplingParams
+from engine.sampling_params import GuidedSpec, SamplingParams, bad_words_token_ids
 from server import guided, reasoning, tools
 from server.context import ServerContext
 from server.errors import APIError
@@ -292,16 +292,10 @@ def _bad_words(ctx: ServerContext, words: Optional[list[str]]) -> Optional[list[
     """Each word's token ids at the start of the text and, where they differ, after a space (vLLM's rule)."""
     if not words:
         return None
-    out: list[list[int]] = []
-    for word in words:
-        bare = ctx.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not bare:
-            raise APIError(f"bad_words: {word!r} has no tokens.", 400, "bad_words")
-        out.append(bare)
-        spaced = ctx.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-            out.append(spaced)
-    return out
+    try:
+        return bad_words_token_ids(ctx.tokenizer, words)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, "bad_words") from exc
 
 
 def _check_capacity(ctx: ServerContext, params: SamplingParams, prompt_len: int, param: str) -> None:

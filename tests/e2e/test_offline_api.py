@@ -63,3 +63,31 @@ def test_bad_offline_inputs_are_refused_naming_the_problem(make_llm, call, error
     with pytest.raises(error, match=words):
         call(llm)
     assert not llm.engine.has_unfinished_requests()  # nothing of a refused batch stays queued (and blocks: fixture)
+
+
+def test_vllm_structured_outputs_and_bad_words_offline(make_llm):
+    """SamplingParams(structured_outputs=StructuredOutputsParams(...)) (and its older name, guided_decoding with
+    GuidedDecodingParams) constrain the output; bad_words as words, tokenized by the engine, are never produced."""
+    import json
+
+    from engine import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+
+    llm = make_llm("smol")
+    prompt = "The capital of France is"
+    choice = SamplingParams(temperature=0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["London", "Berlin", "Madrid"]))
+    assert llm.generate(prompt, choice, use_tqdm=False)[0].outputs[0].text in ("London", "Berlin", "Madrid")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=40, guided_decoding=GuidedDecodingParams(json=schema))
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    assert set(json.loads(out.outputs[0].text)) == {"city"}, out.outputs[0].text
+
+    free = llm.generate(prompt, greedy(max_tokens=8), use_tqdm=False)[0].outputs[0]
+    word = free.text.split()[0].strip(".,;:!?")  # the word greedy decoding writes first (Paris)
+    tokenizer = llm.get_tokenizer()
+    banned = llm.generate(prompt, greedy(max_tokens=8, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    ids = banned.token_ids
+    for seq in (tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)):
+        assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (word, banned.text)
+    assert banned.token_ids != free.token_ids
