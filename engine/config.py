@@ -85,6 +85,10 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m} or {"model": PATH, "num_speculative_tokens": k}; a dict or
     # its JSON text, parsed into a SpeculativeConfig here. None: no speculation.
     speculative_config: Optional["SpeculativeConfig"] = None
+    # vLLM's --generation-config: "auto" applies the model folder's generation_config.json sampling defaults
+    # (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) to what a request leaves unset;
+    # "vllm": none of them; or a folder holding such a file (engine/generation_config.py).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

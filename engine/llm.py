@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from engine.chat import template_message
 from engine.config import EngineConfig
+from engine.generation_config import generation_defaults
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import RequestOutput
@@ -61,9 +62,16 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **engine_kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self._request_counter = itertools.count()
+        config = self.engine.config
+        self._default_sampling = generation_defaults(config.model, config.generation_config)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model folder's generation_config.json defaults (generation_config="auto"),
+        what generate() and chat() use when given none."""
+        return SamplingParams(**self._default_sampling)
 
     def shutdown(self) -> None:
         """End the other tensor-parallel ranks' processes (nothing to do on one rank); generate fails after it."""
@@ -86,7 +94,7 @@ class LLM:
         texts, token_ids = _prompt_inputs(prompts, prompt_token_ids)
         num = len(texts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * num if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )

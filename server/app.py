@@ -90,6 +90,7 @@ def create_app(
     tool_call_parser: str = "hermes",
     reasoning_parser: Optional[str] = None,
     enable_prompt_tokens_details: bool = False,
+    default_sampling: Optional[dict[str, Any]] = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` (an AsyncLLMEngine, or anything else that is an EngineClient)."""
     ctx = ServerContext(
@@ -103,6 +104,7 @@ def create_app(
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
+        default_sampling=dict(default_sampling or {}),
     )
 
     @asynccontextmanager

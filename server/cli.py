@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from engine.config import BLOCK_SIZES, QUANTIZATIONS, EngineConfig, PreemptionMode, SchedulingPolicy
+from engine.generation_config import generation_defaults
 from engine.platform.openmp import apply_serving_default
 from server.reasoning import PARSERS as REASONING_PARSERS
 from server.tools import PARSERS
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache "
                             "served (vLLM's flag)")
+    serve.add_argument("--generation-config", default="auto",
+                       help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty (and "
+                            "max_tokens, capped by max_new_tokens) default to the model folder's "
+                            "generation_config.json, as vLLM's; vllm: to OpenAI's; or a folder holding such a file")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default="hermes", choices=list(PARSERS),
@@ -161,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
         enforce_eager=args.enforce_eager, grammar_cache_mb=args.grammar_cache_mb,
         stream_interval=args.stream_interval, speculative_config=args.speculative_config,
+        generation_config=args.generation_config,
     )
 
 
@@ -174,6 +180,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         chat_template = _read_chat_template(args.chat_template)
         config = config_from_args(args)
+        default_sampling = generation_defaults(config.model, config.generation_config)
         launch = torchrun_env()
         if launch is not None and launch[0] != 0:  # a torchrun rank other than 0: no HTTP, the worker loop
             return _serve_as_worker(config, *launch)
@@ -196,7 +203,11 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(engine, api_key=api_key, served_model_name=config.model_name,
                      shutdown_timeout_s=cut_after_s, chat_template=chat_template,
                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                     enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                     default_sampling=default_sampling)
+    if default_sampling:
+        logger.info("a request's unset sampling fields default to the model's generation_config.json: %s "
+                    "(--generation-config vllm for OpenAI's defaults)", default_sampling)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
                 engine.config.max_model_len)
     # uvicorn owns SIGINT/SIGTERM while serving: it stops accepting, gives in-flight requests the timeout,

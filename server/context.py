@@ -102,6 +102,8 @@ class ServerContext:
     tool_call_parser: str = "hermes"  # --tool-call-parser (server/tools.py)
     reasoning_parser: Optional[str] = None  # --reasoning-parser (server/reasoning.py); None: replies are content
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), as vLLM's flag
+    # --generation-config: SamplingParams fields a request leaves unset default to these (engine/generation_config.py)
+    default_sampling: dict[str, Any] = field(default_factory=dict)
     shutdown_timeout_s: float = 10.0  # how long streams may outlive SIGTERM before the engine ends them
     created: int = field(default_factory=lambda: int(time.time()))
     unknown_field_logs: dict[str, UnknownFieldLog] = field(default_factory=dict)  # per route (a handful)

@@ -252,9 +252,12 @@ def sampling_params(
     if body.stream and (body.use_beam_search or (body.best_of is not None and body.best_of != body.n)):
         raise APIError("best_of != n and use_beam_search are not supported with stream=true.", 400, "best_of")
     longest = max(len(p) for p in prompts)
+    # --generation-config: the model's recommended values for the fields this request left unset (vLLM's rule)
+    defaults = {} if body.use_beam_search else ctx.default_sampling
+    unset = {k: v for k, v in defaults.items() if k != "max_tokens" and k not in body.model_fields_set}
     if max_tokens is None:
-        # Chat's default (and completions' null): whatever fits after the longest prompt.
-        max_tokens = max(1, ctx.max_model_len - longest)
+        # Chat's default (and completions' null): whatever fits after the longest prompt, up to max_new_tokens.
+        max_tokens = min(max(1, ctx.max_model_len - longest), defaults.get("max_tokens", ctx.max_model_len))
     if isinstance(max_tokens, int) and max_tokens >= 1 and longest + max_tokens > ctx.max_model_len:
         raise _context_error(ctx, longest, max_tokens)
     if body.stream and body.prompt_logprobs is not None:
@@ -270,9 +273,12 @@ def sampling_params(
         logprobs = 0  # vLLM: the named tokens take the place of the top-k alternatives
     try:
         params = SamplingParams(
-            n=body.n, best_of=body.best_of, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, length_penalty=body.length_penalty, seed=body.seed,
+            n=body.n, best_of=body.best_of, temperature=unset.get("temperature", body.temperature),
+            top_p=unset.get("top_p", body.top_p), top_k=unset.get("top_k", body.top_k),
+            min_p=unset.get("min_p", body.min_p), presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=unset.get("repetition_penalty", body.repetition_penalty),
+            length_penalty=body.length_penalty, seed=body.seed,
             use_beam_search=body.use_beam_search, stop=body.stop, stop_token_ids=body.stop_token_ids,
             include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
             max_tokens=max_tokens, min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,

@@ -91,3 +91,26 @@ def test_vllm_structured_outputs_and_bad_words_offline(make_llm):
     for seq in (tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)):
         assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (word, banned.text)
     assert banned.token_ids != free.token_ids
+
+
+def test_generation_config_gives_the_default_sampling_params(tmp_path, tiny_llama_dir):
+    """vLLM's LLM.get_default_sampling_params(): the folder's generation_config.json values, what generate() uses
+    when given no SamplingParams; generation_config="vllm" leaves SamplingParams' own defaults."""
+    import json
+    import shutil
+
+    from engine import LLM, SamplingParams
+    from e2e_helpers import ROOMY, assert_all_blocks_free
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 5, "temperature": 0.7}))
+    llm = LLM(model=str(folder), **ROOMY)
+    params = llm.get_default_sampling_params()
+    assert (params.top_k, params.max_tokens, params.temperature) == (1, 5, 0.7)
+    outputs = llm.generate(["Hello there", "Hello there"], use_tqdm=False)
+    assert all(1 <= len(o.outputs[0].token_ids) <= 5 for o in outputs)  # max_new_tokens (an EOS may come first)
+    assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids  # top_k 1
+    assert_all_blocks_free(llm.engine)
+    plain = LLM(model=str(folder), generation_config="vllm", **ROOMY).get_default_sampling_params()
+    assert (plain.top_k, plain.max_tokens) == (SamplingParams().top_k, SamplingParams().max_tokens)

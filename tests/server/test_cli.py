@@ -163,3 +163,35 @@ def test_a_vllm_command_line_serves_as_it_is(tmp_path):
         run = subprocess.run([sys.executable, "-m", "server.cli", *argv], cwd=ROOT, capture_output=True, text=True,
                              timeout=120)
         assert run.returncode == 2 and words in run.stderr, run.stderr
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_unset(tmp_path, tiny_llama_dir):
+    """--generation-config auto (vLLM's default): the model folder's generation_config.json sets the sampling fields
+    a request leaves unset (top_k 1: greedy; max_new_tokens caps the default max_tokens); what it sets wins."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 5, "top_p": 1.0}))
+    proc, base = start_server([str(folder), "--max-model-len", "128", "--kv-cache-space", "0.05", "--swap-space", "0"],
+                              str(tmp_path / "server.log"))
+    try:
+        name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        messages = [{"role": "user", "content": "Say something."}]
+
+        def chat(**fields):
+            r = httpx.post(base + "/v1/chat/completions", timeout=60,
+                           json={"model": name, "messages": messages, **fields})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        unset = [chat(seed=seed) for seed in (1, 2)]  # top_k 1 from the file: the seeds cannot matter
+        assert [u["usage"]["completion_tokens"] for u in unset] == [5, 5]
+        assert unset[0]["choices"][0]["finish_reason"] == "length"
+        assert unset[0]["choices"][0]["message"]["content"] == unset[1]["choices"][0]["message"]["content"]
+        assert chat(max_tokens=7, ignore_eos=True)["usage"]["completion_tokens"] == 7  # the request's own wins
+        assert chat(temperature=0, max_tokens=5)["choices"][0]["message"] == unset[0]["choices"][0]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert "generation_config.json" in (tmp_path / "server.log").read_text()  # the start-up line says so
