@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from engine.sampling_params import SamplingParams
+
 # generation_config.json's key -> SamplingParams' field
 KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
@@ -37,5 +39,13 @@ def generation_defaults(model: Optional[str], source: str = "auto") -> dict[str,
         raise ValueError(f"{path} is not JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path} is not a JSON object.")
-    return {ours: data[theirs] for theirs, ours in KEYS.items()
-            if data.get(theirs) is not None and data[theirs] != _HF_DEFAULTS.get(theirs)}
+    defaults = {ours: data[theirs] for theirs, ours in KEYS.items()
+                if data.get(theirs) is not None and data[theirs] != _HF_DEFAULTS.get(theirs)}
+    for name, value in defaults.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: {name} must be a number, got {value!r}.")
+    try:  # a value no request could run with fails the start, not every request that leaves it unset
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc} (--generation-config vllm leaves the file out)") from exc
+    return defaults
