@@ -89,6 +89,8 @@ class EngineConfig:
     # (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) to what a request leaves unset;
     # "vllm": none of them; or a folder holding such a file (engine/generation_config.py).
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: a dict (or its JSON text) of those keys laid over them.
+    override_generation_config: Optional[Union[str, dict]] = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -60,10 +60,12 @@ class LLM:
     must guard its entry point with `if __name__ == "__main__":` (spawn re-imports the main module)."""
 
     def __init__(self, model: Optional[str] = None, **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        config = EngineConfig(model=model, **engine_kwargs)
+        # (before the weights load: a generation_config.json value no request could run with fails at once)
+        self._default_sampling = generation_defaults(config.model, config.generation_config,
+                                                     config.override_generation_config)
+        self.engine = LLMEngine(config)
         self._request_counter = itertools.count()
-        config = self.engine.config
-        self._default_sampling = generation_defaults(config.model, config.generation_config)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

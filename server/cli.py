@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty (and "
                             "max_tokens, capped by max_new_tokens) default to the model folder's "
                             "generation_config.json, as vLLM's; vllm: to OpenAI's; or a folder holding such a file")
+    serve.add_argument("--override-generation-config", default=None,
+                       help='JSON of generation_config.json keys laid over --generation-config\'s, e.g. '
+                            '\'{"temperature": 0.5}\' (vLLM\'s)')
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default="hermes", choices=list(PARSERS),
@@ -166,7 +169,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, distributed_timeout=args.distributed_timeout,
         enforce_eager=args.enforce_eager, grammar_cache_mb=args.grammar_cache_mb,
         stream_interval=args.stream_interval, speculative_config=args.speculative_config,
-        generation_config=args.generation_config,
+        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
     )
 
 
@@ -180,7 +183,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         chat_template = _read_chat_template(args.chat_template)
         config = config_from_args(args)
-        default_sampling = generation_defaults(config.model, config.generation_config)
+        default_sampling = generation_defaults(config.model, config.generation_config,
+                                               config.override_generation_config)
         launch = torchrun_env()
         if launch is not None and launch[0] != 0:  # a torchrun rank other than 0: no HTTP, the worker loop
             return _serve_as_worker(config, *launch)
@@ -206,8 +210,8 @@ def serve(args: argparse.Namespace) -> int:
                      enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                      default_sampling=default_sampling)
     if default_sampling:
-        logger.info("a request's unset sampling fields default to the model's generation_config.json: %s "
-                    "(--generation-config vllm for OpenAI's defaults)", default_sampling)
+        logger.info("a request's unset sampling fields default to the model's generation_config.json (and "
+                    "--override-generation-config): %s (--generation-config vllm for OpenAI's)", default_sampling)
     logger.info("serving %s on http://%s:%d (max_model_len=%s)", config.model_name, args.host, args.port,
                 engine.config.max_model_len)
     # uvicorn owns SIGINT/SIGTERM while serving: it stops accepting, gives in-flight requests the timeout,

@@ -167,14 +167,15 @@ def test_a_vllm_command_line_serves_as_it_is(tmp_path):
 
 def test_generation_config_defaults_fill_what_a_request_leaves_unset(tmp_path, tiny_llama_dir):
     """--generation-config auto (vLLM's default): the model folder's generation_config.json sets the sampling fields
-    a request leaves unset (top_k 1: greedy; max_new_tokens caps the default max_tokens); what it sets wins."""
+    a request leaves unset (top_k 1: greedy; max_new_tokens caps the default max_tokens), with
+    --override-generation-config laid over it; what a request sets wins."""
     import shutil
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, folder)
-    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 5, "top_p": 1.0}))
-    proc, base = start_server([str(folder), "--max-model-len", "128", "--kv-cache-space", "0.05", "--swap-space", "0"],
-                              str(tmp_path / "server.log"))
+    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 9, "top_p": 1.0}))
+    proc, base = start_server([str(folder), "--max-model-len", "128", "--kv-cache-space", "0.05", "--swap-space", "0",
+                               "--override-generation-config", '{"max_new_tokens": 5}'], str(tmp_path / "server.log"))
     try:
         name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
         messages = [{"role": "user", "content": "Say something."}]

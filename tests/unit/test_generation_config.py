@@ -39,3 +39,14 @@ def test_a_value_no_request_could_run_with_fails_at_start(tmp_path, values, word
     (tmp_path / "generation_config.json").write_text(json.dumps(values))
     with pytest.raises(ValueError, match=words):
         generation_defaults(str(tmp_path))
+
+
+def test_override_is_laid_over_the_file_or_alone(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    assert generation_defaults(str(tmp_path), override='{"temperature": 0.5, "max_new_tokens": 64}') == {
+        "temperature": 0.5, "top_k": 20, "max_tokens": 64}
+    assert generation_defaults(str(tmp_path), "vllm", {"top_p": 0.9}) == {"top_p": 0.9}
+    for override, words in (('{"temprature": 0.5}', r"unknown key\(s\) \['temprature'\]"), ("0.5", "JSON object"),
+                            ("{temperature", "not JSON"), ('{"temperature": 9}', "temperature must be in")):
+        with pytest.raises(ValueError, match=words):
+            generation_defaults(str(tmp_path), override=override)
