@@ -3,7 +3,8 @@ from engine.config import EngineConfig
 from engine.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from engine.sequence import CompletionOutput, RequestOutput
 
-__all__ = ["EngineConfig", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "LLM", "LLMEngine"]
+__all__ = ["EngineConfig", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
+           "CompletionOutput", "LLM", "LLMEngine"]
 
 
 def __getattr__(name):  # the heavy modules (torch) load only when asked for

@@ -42,7 +42,8 @@ class StructuredOutputsParams:
     json_object: Optional[bool] = None
 
     def spec(self) -> GuidedSpec:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
                              f"got {', '.join(given) or 'none'}.")

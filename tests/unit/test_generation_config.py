@@ -34,7 +34,8 @@ def test_no_file_means_no_defaults_and_a_named_folder_must_hold_one(tmp_path):
 
 
 @pytest.mark.parametrize("values, words", [({"temperature": 5.0}, "temperature must be in"),
-                                           ({"top_k": 0}, "top_k must be"), ({"top_p": "high"}, "top_p must be a number")])
+                                           ({"top_k": 0}, "top_k must be"),
+                                           ({"top_p": "high"}, "top_p must be a number")])
 def test_a_value_no_request_could_run_with_fails_at_start(tmp_path, values, words):
     (tmp_path / "generation_config.json").write_text(json.dumps(values))
     with pytest.raises(ValueError, match=words):
