@@ -206,6 +206,8 @@ class SamplingParams:
             fail("allowed_token_ids", "must be a non-empty list of non-negative integers.")
         if self.bad_words_token_ids and any(not word for word in self.bad_words_token_ids):
             fail("bad_words", "cannot contain a word without tokens.")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            fail("bad_words", "must be non-empty strings.")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             fail("logit_bias", "values must be in [-100, 100].")
         if self.guided is not None and not isinstance(self.guided, GuidedSpec):

@@ -106,3 +106,9 @@ def test_defaults_and_normalisation():
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     beam = SamplingParams(use_beam_search=True, temperature=0.0, best_of=3)
     assert not beam.greedy and beam.best_of == 3
+
+
+@pytest.mark.parametrize("words", [[""], ["  "], [3], ["ok", None]])
+def test_bad_words_must_be_words(words):
+    with pytest.raises(ValueError, match="bad_words must be non-empty strings"):
+        SamplingParams(bad_words=words)
